@@ -1,0 +1,208 @@
+"""Records: what one captured request becomes, and how it is serialized.
+
+A record is a set of named tensors plus a JSON manifest. It is produced inside the vLLM worker
+process (``engine/connector.py``), moved by a transport (``transport/``), and handed to consumers as a
+``Record``. The serialized form is a safetensors blob (header + raw tensor bytes), so any transport
+can move it as bytes and any reader can map it without a copy.
+
+Layer semantics (the convention every record states in its manifest):
+    layer id ``i`` is the residual stream *entering* decoder layer ``i`` (hidden + residual); id 0 is the
+    embedding output; id ``N = num_hidden_layers`` is the last layer's output *before* the final norm.
+    HF ``output_hidden_states[i]`` equals id ``i`` for ``i < N``; HF's last entry is *after* the norm.
+
+Row alignment:
+    row ``t`` of ``hidden_states`` belongs to ``token_ids[t]`` at position ``t``: it is the state the
+    model computed *for* that input token (used to predict token ``t + 1``). In ``generate`` mode the
+    final sampled token never ran through the model, so it has no row: ``token_ids`` holds the
+    ``num_prompt_tokens + num_generated - 1`` tokens that ran, and ``meta["next_token_id"]`` the last one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import warnings
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+LAYER_SEMANTICS = (
+    "id i = residual stream entering decoder layer i (hidden+residual); id 0 = embedding output; "
+    "id num_hidden_layers = last layer output before the final norm"
+)
+FORMAT_VERSION = 1
+
+
+class RecordError(Exception):
+    """Base class of record integrity errors; the message names the record."""
+
+
+class IntegrityError(RecordError):
+    """A checksum or digest does not match what the manifest promised."""
+
+
+class IncompleteRecordError(RecordError):
+    """A record's payload is missing or shorter than its manifest says."""
+
+
+def token_digest(token_ids: torch.Tensor | list[int] | np.ndarray) -> str:
+    """sha256 of the token ids as little-endian int64: the proof a record belongs to its request."""
+    arr = np.asarray(token_ids.cpu() if isinstance(token_ids, torch.Tensor) else token_ids, dtype="<i8")
+    return hashlib.sha256(arr.tobytes()).hexdigest()
+
+
+def payload_checksum(buf: bytes | memoryview) -> str:
+    """Cheap integrity checksum of a serialized payload (crc32, hex)."""
+    return f"{zlib.crc32(buf) & 0xFFFFFFFF:08x}"
+
+
+@dataclass
+class Record:
+    """One request's captured hidden states.
+
+    ``hidden_states`` is ``[num_tokens, num_layers, hidden_size]``; plane ``j`` is layer ``layer_ids[j]``.
+    """
+
+    index: int
+    """0-based position of the input (line of the input file, or position in the ``inputs`` list)."""
+    token_ids: torch.Tensor
+    hidden_states: torch.Tensor
+    layer_ids: list[int]
+    num_prompt_tokens: int
+    loss_mask: torch.Tensor | None = None
+    """Per-token 0/1 mask of assistant (trainable) tokens, when the input was a conversation."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Manifest fields: model, config_hash, vllm_version, dtype, mode, layer_semantics, token_digest..."""
+
+    @property
+    def key(self) -> str:
+        return str(self.meta.get("key", self.index))
+
+    @property
+    def mode(self) -> str:
+        return str(self.meta.get("mode", "prompt"))
+
+    def check(self) -> None:
+        """Raise ``IntegrityError`` unless shapes and the token digest agree with the manifest."""
+        n = int(self.token_ids.shape[0])
+        if self.hidden_states.dim() != 3 or self.hidden_states.shape[0] != n:
+            raise IntegrityError(
+                f"record {self.key}: hidden_states shape {tuple(self.hidden_states.shape)} does not match "
+                f"{n} token ids"
+            )
+        if self.hidden_states.shape[1] != len(self.layer_ids):
+            raise IntegrityError(
+                f"record {self.key}: {self.hidden_states.shape[1]} planes but layer_ids={self.layer_ids}"
+            )
+        want = self.meta.get("token_digest")
+        if want is not None and token_digest(self.token_ids) != want:
+            raise IntegrityError(f"record {self.key}: token-id digest mismatch (payload does not belong to it)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Serialization: a safetensors blob, parsed here without a copy (works on mmap / shared memory).
+# ---------------------------------------------------------------------------------------------
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+    "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def serialized_size(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> int:
+    header = _header(tensors, meta)
+    return 8 + len(header) + sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _header(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> bytes:
+    hdr: dict[str, Any] = {"__metadata__": {"layertap": json.dumps(meta, sort_keys=True)}}
+    off = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        hdr[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    raw = json.dumps(hdr, separators=(",", ":")).encode()
+    return raw + b" " * (-len(raw) % 8)  # 8-byte alignment of the data section, as safetensors does
+
+
+def serialize_into(buf: memoryview, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> int:
+    """Write the blob into ``buf`` (e.g. a shared-memory slot); returns the bytes written."""
+    header = _header(tensors, meta)
+    total = 8 + len(header) + sum(t.numel() * t.element_size() for t in tensors.values())
+    if total > len(buf):
+        raise ValueError(f"record needs {total} bytes but the buffer holds {len(buf)}")
+    buf[:8] = struct.pack("<Q", len(header))
+    buf[8 : 8 + len(header)] = header
+    pos = 8 + len(header)
+    for t in tensors.values():
+        nbytes = t.numel() * t.element_size()
+        if nbytes:
+            dst = torch.frombuffer(buf[pos : pos + nbytes], dtype=torch.uint8)
+            dst.copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+        pos += nbytes
+    return total
+
+
+def serialize(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> bytearray:
+    out = bytearray(serialized_size(tensors, meta))
+    serialize_into(memoryview(out), tensors, meta)
+    return out
+
+
+def deserialize(buf: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Parse a blob; tensors view ``buf`` (no copy). Raises ``IncompleteRecordError`` on a short buffer."""
+    mv = memoryview(buf)
+    if len(mv) < 8:
+        raise IncompleteRecordError(f"payload of {len(mv)} bytes is shorter than a header")
+    (hlen,) = struct.unpack("<Q", mv[:8])
+    if 8 + hlen > len(mv):
+        raise IncompleteRecordError(f"header of {hlen} bytes runs past a payload of {len(mv)} bytes")
+    hdr = json.loads(bytes(mv[8 : 8 + hlen]))
+    meta = json.loads(hdr.pop("__metadata__", {}).get("layertap", "{}"))
+    base = 8 + hlen
+    tensors = {}
+    for name, info in hdr.items():
+        a, b = info["data_offsets"]
+        if base + b > len(mv):
+            raise IncompleteRecordError(f"tensor {name!r} runs past the payload ({base + b} > {len(mv)})")
+        dtype = _DTYPES[info["dtype"]]
+        if b > a:
+            with warnings.catch_warnings():  # read-only maps are fine: records are never written in place
+                warnings.simplefilter("ignore", UserWarning)
+                t = torch.frombuffer(mv[base + a : base + b], dtype=torch.uint8).view(dtype)
+        else:
+            t = torch.empty(0, dtype=dtype)
+        tensors[name] = t.reshape(info["shape"])
+    return tensors, meta
+
+
+def to_record(tensors: dict[str, torch.Tensor], meta: dict[str, Any], *, check: bool = True) -> Record:
+    """Build a ``Record`` from deserialized parts (dequantizing fp8 payloads) and check its digest."""
+    hs = tensors["hidden_states"]
+    if "hidden_scale" in tensors:  # fp8 e4m3 with a per-record scale
+        hs = hs.to(torch.float32) * tensors["hidden_scale"].to(torch.float32)
+    rec = Record(
+        index=int(meta["index"]),
+        token_ids=tensors["token_ids"],
+        hidden_states=hs,
+        layer_ids=[int(i) for i in meta["layer_ids"]],
+        num_prompt_tokens=int(meta.get("num_prompt_tokens", tensors["token_ids"].shape[0])),
+        loss_mask=tensors.get("loss_mask"),
+        meta=meta,
+    )
+    if check:
+        rec.check()
+    return rec
+
+
+def record_tensors(rec: Record) -> dict[str, torch.Tensor]:
+    out = {"token_ids": rec.token_ids.to(torch.int64), "hidden_states": rec.hidden_states}
+    if rec.loss_mask is not None:
+        out["loss_mask"] = rec.loss_mask.to(torch.uint8)
+    return out
