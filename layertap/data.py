@@ -82,7 +82,13 @@ def conversation_tokens(tokenizer, messages: list[dict[str, str]], where: str = 
         full = _render(tokenizer, messages[: k + 1])
         if full[: len(ids)] != ids:
             raise InputError(f"{where}: chat template is not prefix-stable at message {k}")
-        mask += [1 if m["role"] == "assistant" else 0] * (len(full) - len(ids))
+        seg = [1 if m["role"] == "assistant" else 0] * (len(full) - len(ids))
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if m["role"] == "assistant" and eos in full[len(ids):]:
+            # Template text after the end-of-turn token (a newline, say) is not the model's output.
+            last = len(full) - 1 - full[::-1].index(eos)
+            seg = [1 if len(ids) + j <= last else 0 for j in range(len(seg))]
+        mask += seg
         ids = full
     return ids, mask
 
