@@ -25,7 +25,7 @@ import struct
 import warnings
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -77,6 +77,24 @@ class Record:
     """Per-token 0/1 mask of assistant (trainable) tokens, when the input was a conversation."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Manifest fields: model, config_hash, vllm_version, dtype, mode, layer_semantics, token_digest..."""
+    positions: torch.Tensor | None = None
+    """int64 positions (into ``token_ids``) of the rows of ``hidden_states`` when only some rows were kept
+    (``transport.compact`` with ``only_loss_masked``); ``None`` means row ``t`` is token ``t``."""
+    # --- transport hook (owned by transport/): frees the buffer the tensors view (e.g. a shm slot) ---
+    _release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+
+    def release(self) -> None:
+        """Give the buffer this record's tensors view back to its transport (idempotent). The tensors
+        must not be used afterwards; records without a transport buffer ignore this."""
+        fn, self._release = self._release, None
+        if fn is not None:
+            fn()
+
+    def __enter__(self) -> "Record":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     @property
     def key(self) -> str:
@@ -89,10 +107,13 @@ class Record:
     def check(self) -> None:
         """Raise ``IntegrityError`` unless shapes and the token digest agree with the manifest."""
         n = int(self.token_ids.shape[0])
+        if self.positions is not None:
+            self._check_positions(n)
+            n = int(self.positions.shape[0])
         if self.hidden_states.dim() != 3 or self.hidden_states.shape[0] != n:
             raise IntegrityError(
                 f"record {self.key}: hidden_states shape {tuple(self.hidden_states.shape)} does not match "
-                f"{n} token ids"
+                f"{n} token ids" + ("" if self.positions is None else " (kept positions)")
             )
         if self.hidden_states.shape[1] != len(self.layer_ids):
             raise IntegrityError(
@@ -101,6 +122,17 @@ class Record:
         want = self.meta.get("token_digest")
         if want is not None and token_digest(self.token_ids) != want:
             raise IntegrityError(f"record {self.key}: token-id digest mismatch (payload does not belong to it)")
+
+    def _check_positions(self, num_tokens: int) -> None:
+        p = self.positions
+        if p is None:
+            return
+        if p.dim() != 1 or p.dtype != torch.int64:
+            raise IntegrityError(f"record {self.key}: positions must be 1-D int64, got {p.dtype} {tuple(p.shape)}")
+        if p.numel() and (int(p[0]) < 0 or int(p[-1]) >= num_tokens or bool((p[1:] <= p[:-1]).any())):
+            raise IntegrityError(
+                f"record {self.key}: positions must be strictly increasing within [0, {num_tokens})"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,6 +227,7 @@ def to_record(tensors: dict[str, torch.Tensor], meta: dict[str, Any], *, check: 
         num_prompt_tokens=int(meta.get("num_prompt_tokens", tensors["token_ids"].shape[0])),
         loss_mask=tensors.get("loss_mask"),
         meta=meta,
+        positions=tensors.get("positions"),
     )
     if check:
         rec.check()
@@ -205,4 +238,6 @@ def record_tensors(rec: Record) -> dict[str, torch.Tensor]:
     out = {"token_ids": rec.token_ids.to(torch.int64), "hidden_states": rec.hidden_states}
     if rec.loss_mask is not None:
         out["loss_mask"] = rec.loss_mask.to(torch.uint8)
+    if rec.positions is not None:
+        out["positions"] = rec.positions.to(torch.int64)
     return out
