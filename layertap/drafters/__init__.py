@@ -1,0 +1,1 @@
+"""Drafter models (EAGLE-3, DFlash) trained from captured hidden states, and their export to vLLM."""

@@ -1,0 +1,1 @@
+"""Drafter training: records -> batches -> trainer; evaluation in vLLM (``eval.py``)."""
