@@ -103,7 +103,8 @@ def _hf_model(model_path: str | Path):
 
 
 def records_from_hf(model_path: str | Path, items: Iterable[InputItem | Sequence[int]],
-                    layer_ids: Sequence[int], *, model: Any = None) -> list[Record]:
+                    layer_ids: Sequence[int], *, model: Any = None,
+                    extra_meta: dict[str, Any] | None = None) -> list[Record]:
     """Reference records from an HF forward pass: row t = state computed for input token t."""
     model = model or _hf_model(model_path)
     n_layers = int(model.config.num_hidden_layers)
@@ -126,7 +127,8 @@ def records_from_hf(model_path: str | Path, items: Iterable[InputItem | Sequence
                 layer_ids=list(layer_ids), num_prompt_tokens=first_trained, loss_mask=mask,
                 meta={"index": it.index, "model": str(model_path), "layer_ids": list(layer_ids),
                       "layer_semantics": LAYER_SEMANTICS, "mode": "hf-reference",
-                      "token_digest": token_digest(ids[0]), "num_tokens": len(it.token_ids)},
+                      "token_digest": token_digest(ids[0]), "num_tokens": len(it.token_ids),
+                      **(extra_meta or {})},
             ))
     finally:
         hook.remove()
@@ -166,3 +168,41 @@ def regenerate(model_path: str | Path, conversations: str | Path | Sequence[Any]
         gen = list(o.outputs[0].token_ids)
         result.append(InputItem(it.index, p + gen, [0] * len(p) + [1] * len(gen), it.messages))
     return result
+
+
+def epoch_stream(dataset: Sequence[Record], epochs: int, seed: int) -> Iterator[Record]:
+    """Records of a random-access dataset, reshuffled each epoch (deterministic in ``seed``), so a
+    resumed run that skips the consumed prefix sees exactly the records the uninterrupted run saw."""
+    if epochs <= 0:
+        raise ValueError(f"epochs must be > 0, got {epochs}")
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        for i in torch.randperm(len(dataset), generator=gen).tolist():
+            yield dataset[i]
+
+
+def token_counts(records: Iterable[Record], vocab_size: int) -> torch.Tensor:
+    """Counts of trained (assistant) tokens, for choosing the EAGLE-3 draft vocabulary."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for r in records:
+        keep = trained_mask(r) > 0
+        counts += torch.bincount(r.token_ids[keep].to(torch.long), minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def write_dataset(records: Iterable[Record], out_dir: str | Path, manifest: dict[str, Any]) -> Path:
+    """Store records as a ``file`` transport dataset (what ``load_records`` reads)."""
+    import json
+
+    from layertap.records import record_tensors
+    from layertap.transport.file import FileSink
+
+    out = Path(out_dir)
+    sink = FileSink(out, "hf", fsync=False)
+    try:
+        for r in records:
+            sink.put(str(r.index), record_tensors(r), r.meta)
+    finally:
+        sink.close()
+    (out / "dataset.json").write_text(json.dumps(manifest, indent=1))
+    return out

@@ -161,7 +161,7 @@ class FileDataset:
         m = self._map(e["shard"])
         end = e["offset"] + e["length"]
         if end > len(m):  # the shard grew since it was mapped
-            self._maps.pop(e["shard"]).close()
+            self._maps.pop(e["shard"])  # older records may still view the old map; it closes when unused
             m = self._map(e["shard"])
             if end > len(m):
                 raise IncompleteRecordError(f"record {e['key']}: shard {e['shard']} ends before byte {end}")

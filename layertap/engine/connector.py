@@ -1,0 +1,361 @@
+"""The KV connector that turns vLLM's ``extract_hidden_states`` rows into layertap records.
+
+Loaded by vLLM through ``kv_connector_module_path``; vLLM builds one instance per side.
+
+Scheduler side (engine-core process):
+    build_connector_meta(out)      -> per step: finished requests to save, and (first steps) slot checks
+    request_finished_all_groups()  -> a request with layertap params finished: queue its save, keep its
+                                      blocks (return True) until the worker has copied the rows out
+    get_num_new_matched_tokens / update_state_after_alloc: store-only, nothing to load
+Worker side (each worker process; only TP rank 0 reads and writes):
+    register_kv_caches()           -> find the capture layer's view, its geometry; log it; check it
+    save_kv_layer()                -> on the first steps: the slots this step wrote must include the
+                                      slots we compute for the scheduled tokens of each request
+    get_finished()                 -> gather rows of finished requests by their own block ids, hand them
+                                      to the writer thread; report blocks free once rows are copied out
+    wait_for_save / start_load_kv / wait_for_layer_load: no-ops
+
+Rows of a finished request are read by *that request's own block ids* (as the scheduler hands them to
+``request_finished``), so prefix-cache hits, chunked prefill and preemption need no special case: the
+rows are in the blocks the request's tokens live in. Which rows: positions ``[0, num_computed_tokens)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from layertap.engine import compat
+from layertap.engine.cache_view import (
+    BlockCoverageError,
+    CacheLayoutError,
+    find_hidden_group,
+    gather_rows,
+    kernel_ratio,
+    slots_for,
+    view_geometry,
+)
+from layertap.records import LAYER_SEMANTICS, token_digest
+from layertap.transport.base import get_transport
+
+log = logging.getLogger("layertap")
+PARAMS_KEY = "layertap"  # kv_transfer_params[PARAMS_KEY] marks a request for capture
+
+
+class SlotCheckError(RuntimeError):
+    """The slots vLLM wrote this step do not include the slots computed for a request."""
+
+
+@dataclass
+class SaveJob:
+    req_id: str
+    key: str
+    block_ids: list[int]
+    token_ids: list[int]
+    num_rows: int
+    meta: dict[str, Any]
+
+
+@dataclass
+class SlotCheck:
+    req_id: str
+    block_ids: list[int]
+    start: int
+    stop: int
+
+
+@dataclass
+class LayertapMetadata(KVConnectorMetadata):
+    saves: list[SaveJob] = field(default_factory=list)
+    checks: list[SlotCheck] = field(default_factory=list)
+
+
+class LayertapConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._extra = compat.extra_config(vllm_config)
+        self._layer_ids = compat.capture_layer_ids(vllm_config)
+        if compat.pp_size(vllm_config) != 1:
+            raise compat.UnsupportedVLLM("layertap capture does not support pipeline parallelism (pp > 1)")
+        groups = compat.group_infos(kv_cache_config)
+        self._group = find_hidden_group(groups) if groups else 0
+        self._block_size = groups[self._group].block_size if groups else int(vllm_config.cache_config.block_size)
+        self._check_steps = int(self._extra.get("slot_check_steps", 4))
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = _SchedulerSide(self)
+            log.info("layertap scheduler: hidden-state group %d of %s, manager block size %d, layer ids %s",
+                     self._group, [f"{g.spec_type}" for g in groups], self._block_size, self._layer_ids)
+        else:
+            self._worker = _WorkerSide(self, vllm_config)
+
+    # ---------------- scheduler side ----------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        if num_external_tokens:
+            raise RuntimeError("layertap connector is store-only; it never loads external tokens")
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self._sched.build_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids):
+        return self._sched.finished(request, list(block_ids))
+
+    def request_finished_all_groups(self, request, block_ids):
+        if not 0 <= self._group < len(block_ids):
+            return False, None
+        return self._sched.finished(request, list(block_ids[self._group]))
+
+    def get_finished_count(self) -> int:
+        return 1  # only TP rank 0 reports finished_sending
+
+    # ---------------- worker side ----------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        self._worker.check_slots(layer_name, attn_metadata, self._get_connector_metadata())
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def get_finished(self, finished_req_ids: set[str]):
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        return self._worker.finished(meta), None
+
+    def shutdown(self) -> None:
+        if getattr(self, "_worker", None) is not None:
+            self._worker.close()
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        return None
+
+
+# =================================================================================================
+class _SchedulerSide:
+    def __init__(self, c: LayertapConnector):
+        self.c = c
+        self.blocks: dict[str, list[int]] = {}  # hidden-group block ids per live request
+        self.params: dict[str, dict] = {}
+        self.pending: list[SaveJob] = []
+        self.steps = 0
+
+    def build_meta(self, out) -> LayertapMetadata:
+        g = self.c._group
+        sched = compat.num_scheduled(out)
+        checks = []
+        want_checks = self.steps < self.c._check_steps
+        for rid, blocks, computed, params in compat.new_requests(out):
+            self.blocks[rid] = list(blocks[g]) if len(blocks) > g else []
+            if params and PARAMS_KEY in params:
+                self.params[rid] = params[PARAMS_KEY]
+            if want_checks and rid in sched:
+                checks.append(SlotCheck(rid, list(self.blocks[rid]), computed, computed + sched[rid]))
+        for rid, new_blocks, resumed, computed in compat.cached_requests(out):
+            if new_blocks is not None and len(new_blocks) > g:
+                self.blocks[rid] = list(new_blocks[g]) if resumed else self.blocks.get(rid, []) + list(new_blocks[g])
+            if want_checks and rid in sched:
+                checks.append(SlotCheck(rid, list(self.blocks.get(rid, [])), computed, computed + sched[rid]))
+        self.steps += 1
+        meta = LayertapMetadata(saves=self.pending, checks=checks)
+        self.pending = []
+        return meta
+
+    def finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        rid = request.request_id
+        self.blocks.pop(rid, None)
+        params = self.params.pop(rid, None)
+        if params is None:
+            tp = request.kv_transfer_params or {}
+            params = tp.get(PARAMS_KEY) if isinstance(tp, dict) else None
+        if params is None:
+            return False, None  # not a capture request
+        all_ids, n_prompt, n_computed, aborted, _ = compat.finished_request_state(request)
+        if aborted or n_computed == 0:
+            return False, {PARAMS_KEY: {"status": "aborted"}}
+        n_rows = min(n_computed, len(all_ids))
+        mode = params.get("mode", "prompt")
+        if mode == "prompt":
+            n_rows = min(n_rows, n_prompt)
+        token_ids = all_ids[:n_rows]
+        key = f"{params.get('run', 'run')}:{rid}"
+        meta = {
+            "key": key, "request_id": rid, "index": int(params.get("index", -1)), "mode": mode,
+            "layer_ids": self.c._layer_ids, "num_tokens": n_rows, "num_prompt_tokens": min(n_prompt, n_rows),
+            "token_digest": token_digest(token_ids), "layer_semantics": LAYER_SEMANTICS,
+            "next_token_id": all_ids[n_rows] if n_rows < len(all_ids) else None,
+            **{k: v for k, v in params.items() if k in ("sample", "run", "loss_spans")},
+        }
+        self.pending.append(SaveJob(rid, key, block_ids, token_ids, n_rows, meta))
+        return True, {PARAMS_KEY: {"status": "saving", "key": key, "num_rows": n_rows,
+                                   "token_digest": meta["token_digest"]}}
+
+
+# =================================================================================================
+class _WorkerSide:
+    def __init__(self, c: LayertapConnector, vllm_config: Any):
+        self.c = c
+        self.hidden = compat.hidden_size(vllm_config)
+        self.n_layers = compat.num_layers(vllm_config)
+        self.run_meta = dict(c._extra.get("run_meta", {}))
+        self.transport_cfg = dict(c._extra.get("transport", {"name": "file", "path": "/tmp/layertap"}))
+        self.compact_cfg = self.transport_cfg.get("compact")
+        self.view: torch.Tensor | None = None
+        self.rank0 = True
+        self.sink = None
+        self.inflight: dict[str, Any] = {}  # req_id -> CUDA event (or None on CPU: copy is done)
+        self.jobs: queue.Queue = queue.Queue(maxsize=int(c._extra.get("writer_queue", 64)))
+        self.error: BaseException | None = None
+        self.writer: threading.Thread | None = None
+        self.stream = None
+        self.checked = 0
+
+    # ---- set-up ----
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.rank0 = compat.tp_rank() == 0
+        name = compat.capture_layer_name(list(kv_caches))
+        view = kv_caches[name]
+        n_planes = len(self.c._layer_ids)
+        self.geo = view_geometry(tuple(view.shape), n_planes, self.hidden)
+        self.ratio = kernel_ratio(self.c._block_size, self.geo.view_block_size)
+        self.num_manager_blocks = self.geo.num_blocks // self.ratio
+        self.view = view
+        self.layer_name = name
+        log.info(
+            "layertap worker: capture layer %s; hidden-state group %d, manager block size %d; view shape %s "
+            "strides %s dtype %s device %s; plane axis %d, view block size %d (%d kernel blocks per manager "
+            "block); %d manager blocks; layer ids %s; tp rank0=%s",
+            name, self.c._group, self.c._block_size, tuple(view.shape), tuple(view.stride()), view.dtype,
+            view.device, self.geo.plane_axis, self.geo.view_block_size, self.ratio, self.num_manager_blocks,
+            self.c._layer_ids, self.rank0,
+        )
+        for lid in self.c._layer_ids:
+            if not 0 <= lid <= self.n_layers:
+                raise CacheLayoutError(f"layer id {lid} outside 0..{self.n_layers}")
+        if self.rank0:
+            writer_id = f"{socket.gethostname()}-{os.getpid()}"
+            self.sink = get_transport(self.transport_cfg["name"]).make_sink(self.transport_cfg, writer_id)
+            self.writer = threading.Thread(target=self._write_loop, name="layertap-writer", daemon=True)
+            self.writer.start()
+
+    # ---- first-step slot check ----
+    def check_slots(self, layer_name: str, attn_metadata: Any, meta: Any) -> None:
+        if layer_name != getattr(self, "layer_name", None) or not isinstance(meta, LayertapMetadata) or not meta.checks:
+            return
+        if isinstance(attn_metadata, dict):
+            attn_metadata = attn_metadata.get(layer_name)
+        written = getattr(attn_metadata, "slot_mapping", None)
+        if written is None:
+            raise SlotCheckError("capture layer metadata carries no slot_mapping; cannot verify the slots it wrote")
+        written_set = set(written.detach().cpu().tolist())
+        for chk in meta.checks:
+            want = slots_for(chk.block_ids, self.c._block_size, chk.start, chk.stop, request=chk.req_id,
+                             num_manager_blocks=self.num_manager_blocks)
+            missing = [s for s in want.tolist() if s not in written_set]
+            if missing:
+                raise SlotCheckError(
+                    f"request {chk.req_id}: positions [{chk.start}, {chk.stop}) map to slots {want.tolist()[:8]}..., "
+                    f"but this step wrote none of {missing[:8]} (block size {self.c._block_size}, blocks "
+                    f"{chk.block_ids[:8]})"
+                )
+            self.checked += 1
+        log.info("layertap worker: slot check passed for %d scheduled requests (%d so far)", len(meta.checks),
+                 self.checked)
+        meta.checks.clear()  # checked once per step (save_kv_layer may run more than once)
+
+    # ---- finished requests ----
+    def finished(self, meta: Any) -> set[str] | None:
+        if self.error is not None:
+            raise RuntimeError(f"layertap writer failed: {self.error}") from self.error
+        done: set[str] = set()
+        if isinstance(meta, LayertapMetadata):
+            for job in meta.saves:
+                if not self.rank0:
+                    continue
+                self._start_copy(job)
+        for rid, ev in list(self.inflight.items()):
+            if ev is None or ev.query():
+                del self.inflight[rid]
+                done.add(rid)
+        return done or None
+
+    def _start_copy(self, job: SaveJob) -> None:
+        slots = slots_for(job.block_ids, self.c._block_size, 0, job.num_rows, request=job.req_id,
+                          num_manager_blocks=self.num_manager_blocks)
+        view = self.view
+        if view.is_cuda:
+            # Side stream: wait for everything the forward stream queued (the rows' writes), then gather.
+            # Index tensors are created *on the side stream* so the allocator never hands their memory
+            # to the forward stream while the gather still reads them.
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(device=view.device)
+            ready = torch.cuda.Event()
+            ready.record()
+            self.stream.wait_event(ready)
+            with torch.cuda.stream(self.stream):
+                dev_slots = slots.pin_memory().to(view.device, non_blocking=True)
+                rows = gather_rows(view, self.geo, dev_slots)
+                host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+                host.copy_(rows, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        else:
+            host = gather_rows(view, self.geo, slots)  # advanced indexing copies: rows are ours now
+            ev = None
+        self.inflight[job.req_id] = ev
+        self.jobs.put((job, host, ev))  # blocks when the writer is behind: the engine slows, nothing drops
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self.jobs.get()
+            if item is None:
+                return
+            job, host, ev = item
+            try:
+                if ev is not None:
+                    ev.synchronize()
+                tensors = {"token_ids": torch.tensor(job.token_ids, dtype=torch.int64), "hidden_states": host}
+                spans = job.meta.get("loss_spans")
+                if spans is not None:
+                    mask = torch.zeros(job.num_rows, dtype=torch.uint8)
+                    for a, b in spans:
+                        mask[a:b] = 1
+                    tensors["loss_mask"] = mask
+                meta = {**self.run_meta, **job.meta, "dtype": str(host.dtype).removeprefix("torch.")}
+                if self.compact_cfg:
+                    from layertap.transport.compact import compact
+
+                    tensors, meta = compact(tensors, meta, **self.compact_cfg)
+                self.sink.put(job.key, tensors, meta)
+            except BaseException as e:  # surfaced on the engine's next step (get_finished raises)
+                log.error("layertap: writing record %s failed: %r", job.key, e)
+                self.error = e
+                return
+
+    def close(self) -> None:
+        if self.writer is not None and self.writer.is_alive():
+            self.jobs.put(None)
+            self.writer.join(timeout=60)
+        if self.sink is not None:
+            self.sink.close()

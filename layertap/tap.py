@@ -1,0 +1,293 @@
+"""``Tap``: a vLLM engine with hidden-state capture, and the request loop that proves each record.
+
+    tap = Tap(model=PATH, layers=[1, 2, 4], **vllm_engine_kwargs)
+    for rec in tap.capture(inputs):          # prompt mode: teacher forcing over whole conversations
+        ...
+    for rec in tap.capture(inputs, mode="generate", sampling_params=SamplingParams(max_tokens=32)):
+        ...
+
+Each submitted request carries ``kv_transfer_params={"layertap": {...}}``; the connector in the engine
+writes its record through the transport; the Tap matches records to requests by key and checks the
+token-id digest against the tokens it submitted (plus the tokens vLLM returned), so a record read from
+another request's rows can not pass. Records are complete when ``capture`` returns.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from layertap.data import InputItem, load_inputs
+from layertap.engine import compat
+from layertap.engine.connector import PARAMS_KEY
+from layertap.records import LAYER_SEMANTICS, Record, token_digest
+from layertap.transport.base import get_transport
+from layertap.targetinfo import TargetInfo
+
+log = logging.getLogger("layertap")
+
+CPU_DEFAULT_KV_BYTES = 1 << 30  # the CPU backend reads gpu_memory_utilization as a share of RAM
+
+
+class CaptureError(RuntimeError):
+    """A capture request failed; the message names the input index / request."""
+
+
+class RequestTooLong(CaptureError):
+    """prompt + max_tokens + the capture's dummy draft token would pass max_model_len."""
+
+
+class MissingRecords(CaptureError):
+    """Requests finished but their records never arrived."""
+
+
+class LayerZeroMismatch(CaptureError):
+    """Layer id 0 does not equal the embedding of the tokens (a known vLLM bug in some modes)."""
+
+
+@dataclass
+class Rejected:
+    index: int
+    reason: str
+
+
+def _loss_spans(mask: list[int] | None) -> list[list[int]] | None:
+    if mask is None:
+        return None
+    spans, start = [], None
+    for i, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append([start, i])
+            start = None
+    return spans
+
+
+class Tap:
+    """A vLLM ``LLM`` with capture of the given layer ids; see the module docstring."""
+
+    def __init__(self, model: str | os.PathLike, layers: list[int], *, transport: str = "file",
+                 transport_config: dict[str, Any] | None = None, out: str | os.PathLike | None = None,
+                 max_inflight: int | None = None, check_first: int = 8, record_timeout: float = 120.0,
+                 **engine_kwargs: Any):
+        self.version = compat.check_version()
+        self.target = TargetInfo.load(model)
+        self.layers = self.target.check_layer_ids(layers)
+        self.check_first = check_first
+        self.record_timeout = record_timeout
+        self.max_inflight = max_inflight
+        self.run = uuid.uuid4().hex[:8]
+        on_cuda = torch.cuda.is_available()
+        if os.environ.get("LAYERTAP_ALLOW_KNOWN_BUGS") != "1":
+            compat.check_known_bugs(self.version, self.layers, bool(engine_kwargs.get("enforce_eager")), on_cuda)
+        self._tmp = None
+        cfg = dict(transport_config or {})
+        if transport == "file":
+            if out is None:
+                self._tmp = tempfile.mkdtemp(prefix="layertap-")
+                out = self._tmp
+            cfg["path"] = str(out)
+        self.transport_name = transport
+        self.transport_cls = get_transport(transport)
+        self.transport_cfg = {**self.transport_cls.prepare(cfg), "name": transport}
+        self.run_meta = {
+            "model": str(self.target.path), "config_hash": self.target.config_hash, "vllm_version": self.version,
+            "layer_semantics": LAYER_SEMANTICS, "num_hidden_layers": self.target.num_layers,
+            "hidden_size": self.target.hidden_size, "format_version": 1,
+        }
+        if transport == "file":
+            self._write_dataset_manifest(Path(self.transport_cfg["path"]))
+        self.source = self.transport_cls.make_source(self.transport_cfg)
+        self.llm = self._start_engine(engine_kwargs, on_cuda)
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self.rejected: list[Rejected] = []
+        self._checked = 0
+        self._n_req = 0
+
+    # ------------------------------------------------------------------ set-up
+    def _write_dataset_manifest(self, root: Path) -> None:
+        man = root / "dataset.json"
+        meta = {**self.run_meta, "layer_ids": self.layers}
+        if man.exists():
+            old = json.loads(man.read_text())
+            for k in ("config_hash", "layer_ids"):
+                if old.get(k) != meta.get(k):
+                    raise CaptureError(f"{root} already holds a dataset with {k}={old.get(k)!r}, not {meta.get(k)!r}; "
+                                       "use a new --out directory")
+            return
+        tmp = man.with_suffix(".tmp")
+        tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, man)
+
+    def _start_engine(self, kw: dict[str, Any], on_cuda: bool):
+        from vllm import LLM
+
+        kw = dict(kw)
+        if not on_cuda and "kv_cache_memory_bytes" not in kw and "gpu_memory_utilization" not in kw:
+            kw["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_BYTES
+        extra = {"transport": self.transport_cfg, "run_meta": self.run_meta,
+                 "slot_check_steps": kw.pop("slot_check_steps", 4)}
+        kw.setdefault("disable_log_stats", False)
+        return LLM(
+            model=str(self.target.path),
+            speculative_config=compat.speculative_config(self.layers),
+            kv_transfer_config=compat.kv_transfer_config(extra),
+            **kw,
+        )
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    # ------------------------------------------------------------------ capture
+    def capture(self, inputs: str | os.PathLike | Iterable[Any], *, mode: str = "prompt", sampling_params=None,
+                skip_indices: set[int] | None = None) -> Iterator[Record]:
+        """Submit every input, yield one checked ``Record`` per request as it commits.
+
+        ``mode="prompt"``: one forward pass over the whole input (teacher forcing); rows = input tokens.
+        ``mode="generate"``: rows = input tokens + generated tokens except the last sampled one.
+        Inputs that would overrun ``max_model_len`` are rejected up front (``self.rejected``); the rest run.
+        """
+        from vllm import SamplingParams
+
+        if mode not in ("prompt", "generate"):
+            raise ValueError(f"mode must be 'prompt' or 'generate', got {mode!r}")
+        items = load_inputs(inputs, self.tokenizer)
+        if mode == "prompt":
+            sp = SamplingParams(max_tokens=1, temperature=0.0)
+        else:
+            sp = sampling_params or SamplingParams(max_tokens=32, temperature=0.0)
+        todo: list[InputItem] = []
+        for it in items:
+            if skip_indices and it.index in skip_indices:
+                continue
+            need = len(it.token_ids) + (sp.max_tokens or 0) + 1
+            if need > self.max_model_len:
+                reason = (f"input {it.index}: {len(it.token_ids)} prompt tokens + max_tokens {sp.max_tokens} + 1 "
+                          f"capture slot = {need} > max_model_len {self.max_model_len}")
+                log.error("rejected %s", reason)
+                self.rejected.append(Rejected(it.index, reason))
+            else:
+                todo.append(it)
+        yield from self._run(todo, sp, mode)
+
+    def _limit(self) -> int:
+        free = self.source.free_capacity()
+        lim = self.max_inflight or 1 << 30
+        return min(lim, free) if free is not None else lim
+
+    def _run(self, todo: list[InputItem], sp, mode: str) -> Iterator[Record]:
+        from vllm import TokensPrompt
+
+        engine = self.llm.llm_engine
+        queue = list(reversed(todo))
+        by_req: dict[str, InputItem] = {}
+        expect: dict[str, tuple[InputItem, list[int]]] = {}  # record key -> (item, expected token ids)
+        running = 0
+        last_progress = time.monotonic()
+        while queue or running or expect:
+            while queue and running + len(expect) < self._limit():
+                it = queue.pop()
+                self._n_req += 1
+                rid = f"{self.run}-{it.index}-{self._n_req}"
+                p = sp.clone()
+                params = {"index": it.index, "mode": mode, "run": self.run, "loss_spans": _loss_spans(it.loss_mask)}
+                p.extra_args = {**(p.extra_args or {}), "kv_transfer_params": {PARAMS_KEY: params}}
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=it.token_ids), p)
+                by_req[rid] = it
+                running += 1
+            if running:
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    running -= 1
+                    it = by_req.pop(out.request_id)
+                    expect.update(self._expected(out, it, mode))
+                    last_progress = time.monotonic()
+            for rec in self.source.poll(timeout=0.0 if running else 0.05):
+                got = expect.pop(rec.key, None)
+                if got is None:
+                    raise CaptureError(f"record {rec.key} (index {rec.index}) matches no request of this run")
+                self._prove(rec, *got)
+                last_progress = time.monotonic()
+                yield rec
+            if not running and expect and time.monotonic() - last_progress > self.record_timeout:
+                raise MissingRecords(f"{len(expect)} records never arrived within {self.record_timeout:.0f}s: "
+                                     + ", ".join(f"index {it.index} ({k})" for k, (it, _) in list(expect.items())[:10]))
+
+    def _expected(self, out, it: InputItem, mode: str) -> dict[str, tuple[InputItem, list[int]]]:
+        res = {}
+        params = (out.kv_transfer_params or {}).get(PARAMS_KEY) if out.kv_transfer_params else None
+        if params is None or params.get("status") != "saving":
+            raise CaptureError(f"input {it.index} (request {out.request_id}) finished without a capture "
+                               f"(kv_transfer_params={out.kv_transfer_params}); was it aborted?")
+        if mode == "prompt":
+            want = list(it.token_ids)
+        else:
+            comp = out.outputs[0]
+            want = (list(it.token_ids) + list(comp.token_ids))[: params["num_rows"]]
+        if token_digest(want) != params["token_digest"]:
+            raise CaptureError(f"input {it.index}: the engine's token ids for request {out.request_id} differ "
+                               "from the tokens submitted")
+        res[params["key"]] = (it, want)
+        return res
+
+    def _prove(self, rec: Record, it: InputItem, want: list[int]) -> None:
+        """The record must carry exactly this request's tokens; the first records get deeper checks."""
+        if rec.token_ids.tolist() != want:
+            raise CaptureError(f"record {rec.key}: token ids differ from input {it.index}'s")
+        if rec.index != it.index:
+            raise CaptureError(f"record {rec.key}: index {rec.index} != input index {it.index}")
+        if rec.layer_ids != self.layers:
+            raise CaptureError(f"record {rec.key}: layer ids {rec.layer_ids} != configured {self.layers}")
+        if self._checked < self.check_first:
+            self._checked += 1
+            if not torch.isfinite(rec.hidden_states.float()).all():
+                raise CaptureError(f"record {rec.key}: non-finite hidden states")
+            if 0 in self.layers:
+                self._check_layer_zero(rec)
+
+    def _check_layer_zero(self, rec: Record) -> None:
+        emb = self.target.embedding_rows(rec.token_ids)
+        got = rec.hidden_states[:, self.layers.index(0)].float()
+        cos = torch.nn.functional.cosine_similarity(got, emb.float(), dim=-1)
+        if cos.min() < 0.99:
+            raise LayerZeroMismatch(
+                f"record {rec.key}: layer id 0 is not the token embedding (min cosine {cos.min():.4f}); vLLM "
+                f"{self.version} returned another tensor for layer 0 (known in eager mode on 0.25)"
+            )
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            finally:
+                del llm
+        src = getattr(self, "source", None)
+        if src is not None:
+            src.close()
+            self.transport_cls.cleanup(self.transport_cfg)
+            self.source = None
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __enter__(self) -> "Tap":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
