@@ -72,7 +72,8 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, cfg: DFlashConfig, embed: torch.Tensor, lm_head: torch.Tensor):
+    def __init__(self, cfg: DFlashConfig, embed: torch.Tensor, lm_head: torch.Tensor,
+                 final_norm: torch.Tensor | None = None):
         super().__init__()
         s = cfg.shape
         for name, w in (("embed", embed), ("lm_head", lm_head)):
@@ -86,6 +87,10 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        if final_norm is not None:
+            # The frozen target lm_head expects states scaled by the target's final norm: start there,
+            # instead of at gain 1, which on trained targets gives near-uniform logits at step 0.
+            self.norm.weight.data.copy_(final_norm)
 
     def block_logits(self, aux: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """Logits [B,A,K,V] for blocks anchored at ``anchors`` [B,A] (>= 1; invalid entries clamped)."""

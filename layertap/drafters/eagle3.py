@@ -145,7 +145,9 @@ class Eagle3Drafter(nn.Module):
             logq = torch.log_softmax(self.logits(out).float(), dim=-1)
             p = shift_left(target_p, 1 + j)
             w = (shift_left(mask, 2 + j) * shift_left(in_vocab, 1 + j, False)).float()
-            loss = -(p * logq).sum(-1)
+            # Forward KL(p || q): same gradient as -sum p log q, but 0 at a perfect fit, so the logged
+            # loss is comparable across targets (a soft target's entropy is not a floor we report).
+            loss = (torch.special.xlogy(p, p) - p * logq).sum(-1)
             hit = self.draft_ids[logq.argmax(-1)] == shift_left(target_top, 1 + j, -1)
             chain = chain & hit
             stats.append(StepStats(

@@ -51,7 +51,7 @@ def build_drafter(kind: str, cfg: Eagle3Config | DFlashConfig, target: str | Pat
             raise ValueError("build_drafter: eagle3 needs draft_ids (see draft_vocab_from_counts)")
         return Eagle3Drafter(cfg, emb, draft_ids)
     head = TargetHead.from_pretrained(target)
-    return DFlashDrafter(cfg, emb, head.lm_head.float())
+    return DFlashDrafter(cfg, emb, head.lm_head.float(), head.norm_weight.float())
 
 
 class Trainer:
