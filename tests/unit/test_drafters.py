@@ -159,7 +159,8 @@ def test_head_selftest_catches_wrong_last_layer():
     start = r.num_prompt_tokens - 1
     assert agreement(head, r.hidden_states[:, -1], r.token_ids, start) == 1.0
     # without the verifier norm the soft labels EAGLE-3 trains on are wrong even where argmax survives
-    assert not torch.allclose(torch.softmax(raw, -1), torch.softmax(head(r.hidden_states[:, -1]), -1), atol=1e-3)
+    logits = head(r.hidden_states[:, -1])
+    assert (raw - logits).abs().max() > 0.1 * logits.abs().max()
 
 
 def test_export_configs_follow_id_conventions():
