@@ -47,8 +47,7 @@ class RecordTooLarge(TransportError):
     """A record is larger than the whole pool; it can never fit."""
 
 
-def _backoff(delay: float) -> float:
-    return min(delay * 2, 0.005)
+_MAX_WAIT = 0.05  # longest single wait between re-checks of the pool (rings usually end it sooner)
 
 
 class ShmSink(Sink):
@@ -61,6 +60,7 @@ class ShmSink(Sink):
         self.checksum = str(config.get("checksum", "crc32"))
         sp.checksum(memoryview(b""), self.checksum)  # validates the name
         self.writer = self.pool.register_writer(writer_id)
+        self.bell = sp.Doorbell(sp.writer_bell(self.name, self.writer))
         self.writer_id = writer_id
         self.waits = 0
         """How many puts had to wait for a free slot (backpressure observed by this sink)."""
@@ -86,7 +86,7 @@ class ShmSink(Sink):
         if len(kb) > sp.MAX_KEY_BYTES:
             raise ValueError(f"record key {key[:40]!r}... is {len(kb)} bytes; the shm limit is {sp.MAX_KEY_BYTES}")
         deadline = time.monotonic() + self.put_timeout
-        next_check, delay, waited = 0.0, 1e-4, False
+        next_check, waited = 0.0, False
         while True:
             now = time.monotonic()
             if now >= next_check:
@@ -102,8 +102,7 @@ class ShmSink(Sink):
                     f"(consumer not keeping up); not committed"
                 )
             waited = True
-            time.sleep(delay)
-            delay = _backoff(delay)
+            self.bell.wait(min(_MAX_WAIT, deadline - now))  # the consumer rings on every release
 
     def put(self, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Commit one record or raise (``TransportFull``, ``PeerGone``, ``RecordTooLarge``)."""
@@ -125,6 +124,7 @@ class ShmSink(Sink):
                 self.pool.free(head)
             raise
         self.pool.commit(head, n, cks)
+        self.bell.ring(sp.consumer_bell(self.name))
 
     def close(self) -> None:
         if self.pool.mm.closed:
@@ -133,6 +133,7 @@ class ShmSink(Sink):
             state, pid, start, name = self.pool.writer(self.writer)
             self.pool.set_writer(self.writer, sp.W_CLOSED, pid, start, name)
         self.pool.close()
+        self.bell.close()
 
 
 class ShmSource(Source):
@@ -145,6 +146,7 @@ class ShmSource(Source):
         self.records_per_slot_hint = max(1, int(config.get("slots_per_record", 1)))
         self.pool = sp.Pool(self.name)
         self._claim_consumer()
+        self.bell = sp.Doorbell(sp.consumer_bell(self.name))
         self._seen: set[str] = set()
         self._last_seq = -1
         self._next_liveness = 0.0
@@ -175,6 +177,9 @@ class ShmSource(Source):
             return
         with self.pool.locked():
             self.pool.free(head)
+        for w in range(sp.MAX_WRITERS):  # wake writers blocked on a full pool
+            if self.pool.writer(w)[0] == sp.W_ACTIVE:
+                self.bell.ring(sp.writer_bell(self.name, w))
 
     def _to_record(self, s: sp.SlotInfo) -> Record:
         if s.key in self._seen:
@@ -236,7 +241,6 @@ class ShmSource(Source):
         if self.pool.mm.closed:
             raise TransportError(f"shm source {self.name} is closed")
         deadline = time.monotonic() + timeout
-        delay = 1e-4
         while True:
             taken = self._take()
             if taken:
@@ -247,8 +251,7 @@ class ShmSource(Source):
                 self._check_writers()
             if now >= deadline:
                 return []
-            time.sleep(min(delay, max(0.0, deadline - now)))
-            delay = _backoff(delay)
+            self.bell.wait(min(_MAX_WAIT, deadline - now))  # sinks ring on every commit
 
     def free_capacity(self) -> int:
         """Records of the expected size that fit in the free slots right now."""
@@ -261,6 +264,7 @@ class ShmSource(Source):
                 pid, start, _ = self.pool.consumer()
                 self.pool.set_consumer(pid, start, closed=True)
             self.pool.close()
+            self.bell.close()
         ShmTransport.cleanup({"name": self.name})
 
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import select
+import socket
 import struct
 import threading
 import zlib
@@ -95,6 +97,49 @@ def checksum(view: memoryview, kind: str) -> int:
     if kind == "none":
         return 0
     raise ValueError(f"checksum must be one of {CHECKSUMS}, got {kind!r}")
+
+
+class Doorbell:
+    """Wake-ups between the processes of one pool: an abstract-namespace unix datagram socket.
+
+    No file is created (nothing to leak: the kernel frees the name when its owner exits) and it is not
+    a network listener. A ring is only a hint: waiters still re-check the pool state and wait at most
+    ``timeout``, so a lost ring (peer not bound yet, queue full) costs latency, never correctness.
+    """
+
+    def __init__(self, name: str):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind("\0" + name)
+        self.sock.setblocking(False)
+        self._out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._out.setblocking(False)
+
+    def wait(self, timeout: float) -> None:
+        """Block until rung or ``timeout`` s pass; swallow all pending rings."""
+        if select.select([self.sock], [], [], max(0.0, timeout))[0]:
+            try:
+                while self.sock.recv(64):
+                    pass
+            except BlockingIOError:
+                pass  # drained
+
+    def ring(self, name: str) -> None:
+        try:
+            self._out.sendto(b"!", "\0" + name)
+        except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):
+            pass  # the peer has a ring queued already, or is not waiting (see the class docstring)
+
+    def close(self) -> None:
+        self.sock.close()
+        self._out.close()
+
+
+def consumer_bell(pool: str) -> str:
+    return f"{pool}.c"
+
+
+def writer_bell(pool: str, writer: int) -> str:
+    return f"{pool}.w{writer}"
 
 
 @dataclass(slots=True)

@@ -143,15 +143,16 @@ def test_token_digest_mismatch_and_duplicate_key_raise_naming_record(pool):
     sink.close()
 
 
-def test_copy_mode_frees_the_slot_at_once(pool):
-    cfg, _ = pool
-    src = SHM.make_source(cfg, copy=True)  # takes over the consumer role in this process
+def test_copy_mode_frees_the_slot_at_once():
+    cfg = SHM.prepare({"slot_bytes": 64 << 10, "num_slots": 4})
+    src = SHM.make_source(cfg, copy=True)
     sink = SHM.make_sink(cfg, "w")
     for i in range(6):  # more than the 4 slots: only possible because copies free them
         sink.put(*make_record(i))
         [rec] = src.poll(1)
         assert src.free_capacity() == cfg["num_slots"] and torch.equal(rec.hidden_states, expected_hidden(i))
     sink.close()
+    src.close()
 
 
 def test_closed_consumer_makes_put_raise_peer_gone():
