@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,8 @@ import torch
 from layertap.records import IntegrityError
 from layertap.transport import shm_pool as sp
 from layertap.transport.base import PeerGone, TransportError, TransportFull, get_transport
-from transport_procs import expected_hidden, make_record, read_line, shm_entries, spawn, wait_for
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helper runs as a script too
+from transport_procs import expected_hidden, make_record, read_line, shm_entries, spawn, wait_for  # noqa: E402
 
 SHM = get_transport("shm")
 
