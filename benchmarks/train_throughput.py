@@ -11,7 +11,9 @@ FLOPs counted (the usual "model FLOPs", not hardware FLOPs):
     the frozen target head (labels): 2 * H * V per token, forward only.
 MFU = counted FLOPs / step time / peak (H200 bf16 dense 989 TFLOP/s unless ``--peak-tflops``).
 
-    python benchmarks/train_throughput.py                 # CUDA: 8B-class dims
+    python benchmarks/train_throughput.py --batch 4       # CUDA: 8B-class dims, torch.compile
+    Measured (H200, 2026-11-30, torch 2.11): batch 4, compiled: 139.8 ms/step, 58.6k tok/s, 48.8% MFU;
+    eager: 214.1 ms, 38.3k tok/s, 31.9%; batch 2 eager 30.5%.
     python benchmarks/train_throughput.py --small         # CPU smoke run
 """
 
@@ -42,7 +44,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ttt", type=int, default=3, help="TTT unroll steps")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed warmup steps")
-    p.add_argument("--compile", action="store_true", help="torch.compile the drafter forward")
+    p.add_argument("--no-compile", action="store_true",
+                   help="skip torch.compile of the drafter forward (on by default on CUDA)")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak bf16 TFLOP/s (default: by GPU name)")
     p.add_argument("--small", action="store_true", help="small dims for a CPU smoke run (hidden 256, seq 256)")
     return p.parse_args()
@@ -74,7 +77,8 @@ def main() -> None:
                           torch.randperm(a.vocab, generator=g)[: a.draft_vocab]).to(dev)
     head = TargetHead(torch.ones(a.hidden), torch.randn(a.vocab, a.hidden, generator=g) * 0.02, 1e-6).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
-    fwd = torch.compile(model) if a.compile else model
+    # torch.compile fuses the RMSNorm/RoPE/softmax elementwise chains: 31.9% -> 48.8% MFU on an H200.
+    fwd = torch.compile(model) if cuda and not a.no_compile else model
     dt = torch.bfloat16 if cuda else torch.float32
     aux = torch.randn(a.batch, a.seq, 3 * a.hidden, device=dev, dtype=dt)
     last = torch.randn(a.batch, a.seq, a.hidden, device=dev, dtype=dt)
