@@ -67,8 +67,8 @@ def _spec_key(spec: TargetSpec) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def chat_examples(n: int, seed: int, tokenizer, *, max_lines: int = 12) -> list[list[int]]:
-    """``n`` chat-formatted code-continuation conversations (token ids), deterministic in ``seed``."""
+def chat_conversations(n: int, seed: int, *, max_lines: int = 12) -> list[list[dict[str, str]]]:
+    """``n`` "continue this code" conversations cut from stdlib files, deterministic in ``seed``."""
     rng = random.Random(seed)
     files = [Path(p).read_text(encoding="utf-8", errors="replace").splitlines() for p in _corpus_files()]
     files = [f for f in files if len(f) > 2 * max_lines]
@@ -78,13 +78,30 @@ def chat_examples(n: int, seed: int, tokenizer, *, max_lines: int = 12) -> list[
         a = rng.randint(2, max_lines)
         b = rng.randint(2, max_lines)
         start = rng.randrange(0, len(lines) - a - b)
-        msgs = [
+        out.append([
             {"role": "user", "content": rng.choice(USER_TEMPLATES) + "\n".join(lines[start:start + a])},
             {"role": "assistant", "content": "\n".join(lines[start + a:start + a + b])},
-        ]
+        ])
+    return out
+
+
+def chat_examples(n: int, seed: int, tokenizer, *, max_lines: int = 12) -> list[list[int]]:
+    """Token ids of ``chat_conversations`` rendered with the chat template."""
+    out = []
+    for msgs in chat_conversations(n, seed, max_lines=max_lines):
         ids = tokenizer.apply_chat_template(msgs, tokenize=True)
         out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return out
+
+
+def write_conversations(path: str | Path, n: int, seed: int) -> Path:
+    """Write ``n`` conversations as ``{"messages": ...}`` JSONL: prompts for drafter data (use a seed other
+    than the target's training seed, 0, to get prompts the target never saw verbatim)."""
+    p = Path(path)
+    with open(p, "w", encoding="utf-8") as f:
+        for msgs in chat_conversations(n, seed):
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    return p
 
 
 def _pack(examples: list[list[int]], seq_len: int, pad_id: int):
