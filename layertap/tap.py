@@ -81,11 +81,13 @@ class Tap:
     def __init__(self, model: str | os.PathLike, layers: list[int], *, transport: str = "file",
                  transport_config: dict[str, Any] | None = None, out: str | os.PathLike | None = None,
                  max_inflight: int | None = None, check_first: int = 8, record_timeout: float = 120.0,
-                 **engine_kwargs: Any):
+                 post_norm_last: bool = False, **engine_kwargs: Any):
         self.version = compat.check_version()
         self.target = TargetInfo.load(model)
         self.layers = self.target.check_layer_ids(layers)
         self.check_first = check_first
+        self.post_norm_last = post_norm_last
+        """Analysis API: apply the model's final norm to layer id N in ``generate`` results."""
         self.record_timeout = record_timeout
         self.max_inflight = max_inflight
         self.run = uuid.uuid4().hex[:8]
@@ -195,6 +197,7 @@ class Tap:
         queue = list(reversed(todo))
         by_req: dict[str, InputItem] = {}
         expect: dict[str, tuple[InputItem, list[int]]] = {}  # record key -> (item, expected token ids)
+        early: dict[str, Record] = {}  # records can commit before their RequestOutput is processed
         running = 0
         last_progress = time.monotonic()
         while queue or running or expect:
@@ -217,15 +220,20 @@ class Tap:
                     expect.update(self._expected(out, it, mode))
                     last_progress = time.monotonic()
             for rec in self.source.poll(timeout=0.0 if running else 0.05):
-                got = expect.pop(rec.key, None)
-                if got is None:
-                    raise CaptureError(f"record {rec.key} (index {rec.index}) matches no request of this run")
-                self._prove(rec, *got)
+                if rec.meta.get("run") != self.run:
+                    raise CaptureError(f"record {rec.key} (index {rec.index}) belongs to another run")
+                early[rec.key] = rec
+            for key in [k for k in early if k in expect]:
+                rec = early.pop(key)
+                self._prove(rec, *expect.pop(key))
                 last_progress = time.monotonic()
                 yield rec
             if not running and expect and time.monotonic() - last_progress > self.record_timeout:
                 raise MissingRecords(f"{len(expect)} records never arrived within {self.record_timeout:.0f}s: "
                                      + ", ".join(f"index {it.index} ({k})" for k, (it, _) in list(expect.items())[:10]))
+        if early:
+            raise CaptureError("records matching no request of this run: "
+                               + ", ".join(f"{k} (index {r.index})" for k, r in list(early.items())[:10]))
 
     def _expected(self, out, it: InputItem, mode: str) -> dict[str, tuple[InputItem, list[int]]]:
         res = {}
@@ -268,6 +276,13 @@ class Tap:
                 f"record {rec.key}: layer id 0 is not the token embedding (min cosine {cos.min():.4f}); vLLM "
                 f"{self.version} returned another tensor for layer 0 (known in eager mode on 0.25)"
             )
+
+    # ------------------------------------------------------------------ analysis
+    def generate(self, prompts, sampling_params=None, **kwargs):
+        """vLLM's ``generate`` plus per-sample hidden states; see ``layertap.analysis``."""
+        from layertap.analysis import generate
+
+        return generate(self, prompts, sampling_params, **kwargs)
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

@@ -84,10 +84,6 @@ class ViewGeometry:
     plane_axis: int
     offset_axis: int
 
-    @property
-    def ratio(self) -> int:
-        return 1  # filled by check_geometry's caller via kernel_ratio(); kept for symmetry
-
 
 def view_geometry(shape: Sequence[int], n_planes: int, hidden: int) -> ViewGeometry:
     """Identify the axes of the capture layer's view by matching the configured capture count.

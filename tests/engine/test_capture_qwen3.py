@@ -1,0 +1,125 @@
+"""Capture on a uniform full-attention model (Qwen3: the capture layer is merged into the attention
+group), under concurrency, chunked prefill, prefix caching, over-length inputs, aborts and generation.
+One engine for the module; every record is checked against HF transformers."""
+
+import pytest
+import torch
+
+from layertap.engine.connector import PARAMS_KEY
+from layertap.models.tiny import tiny_model
+from layertap.tap import Tap
+
+from .helpers import BASE, assert_all_match, metric, random_prompts
+
+pytestmark = pytest.mark.engine
+LAYERS = [0, 1, 2, 4]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen3")
+
+
+@pytest.fixture(scope="module")
+def tap(model):
+    # max_num_batched_tokens 128 is far below the longest prompt (~500): chunked prefill on every long one.
+    t = Tap(model=model, layers=LAYERS, **{**BASE, "max_model_len": 512}, max_num_seqs=80,
+            max_num_batched_tokens=128, enable_prefix_caching=True)
+    yield t
+    t.close()
+
+
+def test_many_concurrent_requests_of_very_different_lengths(tap, model):
+    lengths = [3, 17, 64, 129, 250, 500, 1, 77, 300, 9]
+    inputs = random_prompts(72, lengths, seed=1)
+    recs = list(tap.capture(inputs))
+    assert sorted(r.index for r in recs) == list(range(72))
+    for r in recs:
+        assert r.token_ids.tolist() == inputs[r.index]["token_ids"]
+        assert r.hidden_states.shape == (len(inputs[r.index]["token_ids"]), len(LAYERS), 128)
+        assert r.layer_ids == LAYERS and r.mode == "prompt"
+    assert_all_match(recs, model)
+
+
+def test_prefix_caching_hits_are_captured_right(tap, model):
+    prefixes = random_prompts(3, [260], seed=2)
+    suffixes = random_prompts(30, [5, 40, 90], seed=3)
+    inputs = [{"token_ids": prefixes[i % 3]["token_ids"] + s["token_ids"]} for i, s in enumerate(suffixes)]
+    hits_before = metric(tap.llm, "vllm:prefix_cache_hits")
+    first = list(tap.capture(inputs[:3]))  # computes the prefixes
+    rest = list(tap.capture(inputs))  # every one shares a 260-token prefix: cache hits
+    hits = metric(tap.llm, "vllm:prefix_cache_hits") - hits_before
+    assert hits >= 27 * 128, f"expected prefix-cache hits on the shared prefixes, got {hits} tokens"
+    assert_all_match(first + rest, model)
+
+
+def test_over_length_input_is_rejected_and_the_rest_proceed(tap, model):
+    ok = random_prompts(4, [20, 200], seed=4)
+    edge = random_prompts(1, [512 - 2], seed=5)[0]  # prompt + 1 sampled + 1 capture slot == max_model_len
+    too_long = random_prompts(1, [512 - 1], seed=6)[0]
+    before = len(tap.rejected)
+    recs = list(tap.capture(ok + [too_long, edge]))
+    rejected = tap.rejected[before:]
+    assert [r.index for r in rejected] == [4]
+    assert "max_model_len 512" in rejected[0].reason and "input 4" in rejected[0].reason
+    assert sorted(r.index for r in recs) == [0, 1, 2, 3, 5]
+    assert_all_match(recs, model)
+
+
+def test_generate_mode_rows_cover_prompt_and_generated_tokens(tap, model):
+    from vllm import SamplingParams
+
+    inputs = random_prompts(12, [5, 60, 130], seed=7)
+    # No per-request seed: the CPU build cannot seed per request with spec decode ("CPU Generator does
+    # not use offset"). Sampling is random; the rows must still match HF for whatever was sampled.
+    sp = SamplingParams(max_tokens=24, temperature=0.8, ignore_eos=True)
+    recs = list(tap.capture(inputs, mode="generate", sampling_params=sp))
+    assert len(recs) == 12
+    for r in recs:
+        p = len(inputs[r.index]["token_ids"])
+        assert r.num_prompt_tokens == p
+        assert r.hidden_states.shape[0] == p + 24 - 1  # the last sampled token never ran
+        assert r.token_ids[:p].tolist() == inputs[r.index]["token_ids"]
+        assert r.meta["next_token_id"] is not None
+    assert_all_match(recs, model)
+
+
+def test_aborted_request_leaves_no_record_and_no_blocks(tap, model):
+    from vllm import SamplingParams, TokensPrompt
+
+    engine = tap.llm.llm_engine
+    sp = SamplingParams(max_tokens=200, ignore_eos=True)
+    sp.extra_args = {"kv_transfer_params": {PARAMS_KEY: {"index": 999, "mode": "generate", "run": tap.run}}}
+    engine.add_request("abort-me", TokensPrompt(prompt_token_ids=list(range(10, 150))), sp)
+    for _ in range(3):
+        engine.step()
+    engine.abort_request(["abort-me"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    # A stray record for index 999 would make this capture raise "matches no request of this run".
+    recs = list(tap.capture(random_prompts(4, [30], seed=8)))
+    assert sorted(r.index for r in recs) == [0, 1, 2, 3]
+    assert not [p for p in tap.source.poll(timeout=1.0)], "a record arrived for the aborted request"
+    # The usage gauge is refreshed per engine step: run one plain 1-token request (no capture), whose own
+    # block is then the only one in use. Anything above one block is a leak.
+    engine.add_request("drain", TokensPrompt(prompt_token_ids=[11]), SamplingParams(max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    blocks = next(int(m.labels["num_gpu_blocks"]) for m in tap.llm.get_metrics()
+                  if m.name == "vllm:cache_config_info")
+    used = metric(tap.llm, "vllm:kv_cache_usage_perc") * blocks
+    assert used <= 1.0 + 1e-6, f"{used:.1f} KV blocks still in use after the abort and all captures"
+
+
+def test_conversations_carry_loss_masks(tap, model):
+    from layertap.data import conversation_tokens
+
+    convs = [[{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "    return a + b"}],
+             [{"role": "user", "content": "import os"}, {"role": "assistant", "content": "import sys"},
+              {"role": "user", "content": "and?"}, {"role": "assistant", "content": "import re"}]]
+    recs = sorted(tap.capture(convs), key=lambda r: r.index)
+    for r, c in zip(recs, convs):
+        ids, mask = conversation_tokens(tap.tokenizer, c)
+        assert r.token_ids.tolist() == ids
+        assert r.loss_mask.tolist() == mask and sum(mask) > 0
+    assert_all_match(recs, model)
