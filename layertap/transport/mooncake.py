@@ -236,10 +236,14 @@ class MooncakeSource(Source):
         base = f"{self.ns}/w{w.n}/{w.next_seq}"
         man = json.loads(self._get(f"{base}/m", f"{w.name}#{w.next_seq}"))
         key = man["key"]
-        blob = self._get(f"{base}/d", key)
-        w.next_seq += 1
-        for k in (f"{base}/d", f"{base}/m"):  # free the store before checking: a bad record is not retried
-            check_rc(self.store.remove(k, True), f"removing record {key}")  # force: our get left a lease
+        try:
+            blob = self._get(f"{base}/d", key)
+        finally:  # a record fails once, by name; it is never retried (nor re-raised on every poll)
+            w.next_seq += 1
+            for k in (f"{base}/d", f"{base}/m"):
+                rc = self.store.remove(k, True)  # force: our get left a lease on it
+                if rc != -704:  # an already missing payload was reported above
+                    check_rc(rc, f"removing record {key}")
         if len(blob) != man["length"]:
             raise IncompleteRecordError(f"record {key}: payload is {len(blob)} bytes, manifest says {man['length']}")
         if payload_checksum(blob) != man["crc32"]:
