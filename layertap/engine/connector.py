@@ -51,7 +51,7 @@ from layertap.engine.cache_view import (
 from layertap.records import LAYER_SEMANTICS, token_digest
 from layertap.transport.base import get_transport
 
-log = logging.getLogger("layertap")
+log = logging.getLogger("vllm.layertap")  # under "vllm": shown by vLLM's own log set-up
 PARAMS_KEY = "layertap"  # kv_transfer_params[PARAMS_KEY] marks a request for capture
 
 
@@ -94,6 +94,11 @@ class LayertapConnector(KVConnectorBase_V1, SupportsHMA):
         self._group = find_hidden_group(groups) if groups else 0
         self._block_size = groups[self._group].block_size if groups else int(vllm_config.cache_config.block_size)
         self._check_steps = int(self._extra.get("slot_check_steps", 4))
+        self._group_desc = {
+            "index": self._group, "block_size": self._block_size, "num_groups": len(groups),
+            "own_group": bool(groups) and groups[self._group].spec_type == "HiddenStateCacheSpec",
+            "group_types": [g.spec_type for g in groups],
+        }
         if role == KVConnectorRole.SCHEDULER:
             self._sched = _SchedulerSide(self)
             log.info("layertap scheduler: hidden-state group %d of %s, manager block size %d, layer ids %s",
@@ -194,10 +199,10 @@ class _SchedulerSide:
         all_ids, n_prompt, n_computed, aborted, _ = compat.finished_request_state(request)
         if aborted or n_computed == 0:
             return False, {PARAMS_KEY: {"status": "aborted"}}
-        n_rows = min(n_computed, len(all_ids))
         mode = params.get("mode", "prompt")
-        if mode == "prompt":
-            n_rows = min(n_rows, n_prompt)
+        # Rows exist for tokens that ran through the model. The last sampled token never did; after a
+        # preemption vLLM may count the dummy draft slot as computed, so clip to the tokens that ran.
+        n_rows = min(n_computed, n_prompt if mode == "prompt" else len(all_ids) - 1)
         token_ids = all_ids[:n_rows]
         key = f"{params.get('run', 'run')}:{rid}"
         meta = {
@@ -205,6 +210,7 @@ class _SchedulerSide:
             "layer_ids": self.c._layer_ids, "num_tokens": n_rows, "num_prompt_tokens": min(n_prompt, n_rows),
             "token_digest": token_digest(token_ids), "layer_semantics": LAYER_SEMANTICS,
             "next_token_id": all_ids[n_rows] if n_rows < len(all_ids) else None,
+            "cache_group": self.c._group_desc,
             **{k: v for k, v in params.items() if k in ("sample", "run", "loss_spans")},
         }
         self.pending.append(SaveJob(rid, key, block_ids, token_ids, n_rows, meta))

@@ -61,7 +61,12 @@ class FileSink(Sink):
         self._shard_no = self._next_shard_no()
         self._shard = None
         self._shard_name = ""
-        self._index_fd = os.open(self.root / f"index-{self.writer}.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        index = self.root / f"index-{self.writer}.jsonl"
+        self._index_fd = os.open(index, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        with open(index, "rb") as f:  # a torn last line (crash mid-commit) must not swallow our first line
+            f.seek(0, os.SEEK_END)
+            if f.tell() and (f.seek(-1, os.SEEK_END) or True) and f.read(1) != b"\n":
+                os.write(self._index_fd, b"\n")
 
     def _next_shard_no(self) -> int:
         existing = [p.name for p in self.root.glob(f"shard-{self.writer}-*.bin")]

@@ -51,8 +51,6 @@ def test_torn_index_line_is_ignored(tmp_path):
     assert [r.key for r in ds] == ["req-0"]
 
 
-@pytest.mark.xfail(strict=True, reason="file.py: a writer restarted after a torn index line appends its first "
-                   "line to the torn fragment, so that committed record is unreadable (report to the file owner)")
 def test_record_committed_after_a_torn_line_is_readable(tmp_path):
     with open(tmp_path / "index-w.jsonl", "ab") as f:
         f.write(b'{"key":"req-9","ind')
