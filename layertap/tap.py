@@ -78,10 +78,13 @@ def _loss_spans(mask: list[int] | None) -> list[list[int]] | None:
 class Tap:
     """A vLLM ``LLM`` with capture of the given layer ids; see the module docstring."""
 
-    def __init__(self, model: str | os.PathLike, layers: list[int], *, transport: str = "file",
+    def __init__(self, model: str | os.PathLike, layers: list[int], *, transport: str | None = None,
                  transport_config: dict[str, Any] | None = None, out: str | os.PathLike | None = None,
                  max_inflight: int | None = None, check_first: int = 8, record_timeout: float = 120.0,
-                 post_norm_last: bool = False, **engine_kwargs: Any):
+                 post_norm_last: bool = False, zero_copy: bool = False, **engine_kwargs: Any):
+        """``transport``: "file" (a dataset at ``out``), "shm" (default without ``out``: a shared-memory pool)
+        or "mooncake". ``zero_copy``: stream records that view the transport's memory (call
+        ``rec.release()`` when done); by default streamed records are private copies."""
         self.version = compat.check_version()
         self.target = TargetInfo.load(model)
         self.layers = self.target.check_layer_ids(layers)
@@ -96,6 +99,7 @@ class Tap:
             compat.check_known_bugs(self.version, self.layers, bool(engine_kwargs.get("enforce_eager")), on_cuda)
         self._tmp = None
         cfg = dict(transport_config or {})
+        transport = transport or ("file" if out is not None else "shm")
         if transport == "file":
             if out is None:
                 self._tmp = tempfile.mkdtemp(prefix="layertap-")
@@ -103,7 +107,7 @@ class Tap:
             cfg["path"] = str(out)
         self.transport_name = transport
         self.transport_cls = get_transport(transport)
-        self.transport_cfg = {**self.transport_cls.prepare(cfg), "name": transport}
+        self.transport_cfg = {**self.transport_cls.prepare(cfg), "backend": transport}
         self.run_meta = {
             "model": str(self.target.path), "config_hash": self.target.config_hash, "vllm_version": self.version,
             "layer_semantics": LAYER_SEMANTICS, "num_hidden_layers": self.target.num_layers,
@@ -111,7 +115,10 @@ class Tap:
         }
         if transport == "file":
             self._write_dataset_manifest(Path(self.transport_cfg["path"]))
-        self.source = self.transport_cls.make_source(self.transport_cfg)
+        if transport == "file":
+            self.source = self.transport_cls.make_source(self.transport_cfg)
+        else:
+            self.source = self.transport_cls.make_source(self.transport_cfg, copy=not zero_copy)
         self.llm = self._start_engine(engine_kwargs, on_cuda)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.rejected: list[Rejected] = []
@@ -228,6 +235,9 @@ class Tap:
                 self._prove(rec, *expect.pop(key))
                 last_progress = time.monotonic()
                 yield rec
+            if compat.engine_dead(self.llm):
+                raise MissingRecords(f"the vLLM engine died; {len(expect) + running + len(queue)} requests have no "
+                                     "record: " + ", ".join(f"index {it.index}" for it, _ in list(expect.values())[:10]))
             if not running and expect and time.monotonic() - last_progress > self.record_timeout:
                 raise MissingRecords(f"{len(expect)} records never arrived within {self.record_timeout:.0f}s: "
                                      + ", ".join(f"index {it.index} ({k})" for k, (it, _) in list(expect.items())[:10]))

@@ -77,11 +77,11 @@ class HFReference:
 def compare(rec: Record, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     got = rec.hidden_states.to(ref.device, torch.float32)
     ref = ref.float()
-    if "positions" in rec.meta or got.shape[0] != ref.shape[0]:
-        pos = rec.meta.get("positions")
-        if pos is None:
-            raise ValueError(f"record {rec.key}: {got.shape[0]} rows for {ref.shape[0]} tokens")
-        ref = ref[torch.as_tensor(pos, device=ref.device)]
+    pos = getattr(rec, "positions", None)
+    if pos is not None:  # compacted record: rows only at these token positions
+        ref = ref[pos.to(ref.device)]
+    if got.shape[0] != ref.shape[0]:
+        raise ValueError(f"record {rec.key}: {got.shape[0]} rows for {ref.shape[0]} reference tokens")
     cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
     err = (got - ref).abs().amax(dim=-1)
     return cos.cpu(), err.cpu()

@@ -42,7 +42,28 @@ def main(argv: list[str] | None = None) -> int:
     if rest and not getattr(args, "accepts_engine_flags", False):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.engine_argv = rest
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except _user_errors() as e:  # a named problem with the user's input or set-up: no traceback
+        print(f"layertap {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from layertap.data import InputError
+    from layertap.records import RecordError
+    from layertap.targetinfo import TargetError
+    from layertap.transport.base import TransportError
+
+    errs: list[type[BaseException]] = [InputError, TargetError, TransportError, RecordError, FileNotFoundError]
+    try:
+        from layertap.engine.compat import KnownVLLMBug, UnsupportedVLLM
+        from layertap.tap import CaptureError
+
+        errs += [KnownVLLMBug, UnsupportedVLLM, CaptureError]
+    except ImportError:
+        pass
+    return tuple(errs)
 
 
 if __name__ == "__main__":

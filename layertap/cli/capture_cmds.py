@@ -33,6 +33,11 @@ def register(sub) -> None:
     p.add_argument("--transport", choices=available(), default="file",
                    help="where records go (file writes --out; shm/mooncake stream, and --out receives them)")
     p.add_argument("--max-inflight", type=int, default=None, help="bound on requests in flight (default: engine's)")
+    p.add_argument("--store-dtype", choices=["fp32", "fp16", "bf16", "fp8"], default=None,
+                   help="store hidden states in this dtype (fp8 = e4m3 with a per-record scale); default: engine dtype")
+    p.add_argument("--only-loss-masked", action="store_true",
+                   help="keep only rows of assistant tokens (plus the row before each span, which predicts its "
+                        "first token); records then carry their positions")
     for name in available():
         try:
             get_transport(name).add_cli_args(p)
@@ -77,6 +82,8 @@ def cmd_capture(args) -> int:
     if done:
         console.print(f"resuming {out}: {len(done)} of {len(items)} inputs already captured")
     tcfg = get_transport(args.transport).config_from_args(args)
+    if args.store_dtype or args.only_loss_masked:
+        tcfg["compact"] = {"dtype": args.store_dtype or "fp32", "only_loss_masked": args.only_loss_masked}
     sp = None
     if args.mode == "generate":
         from vllm import SamplingParams

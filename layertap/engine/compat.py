@@ -176,3 +176,10 @@ def finished_request_state(request: Any) -> tuple[list[int], int, int, bool, dic
     prompt = request.prompt_token_ids or []
     return (list(request.all_token_ids), len(prompt), int(request.num_computed_tokens), aborted,
             request.kv_transfer_params)
+
+
+def engine_dead(llm: Any) -> bool:
+    """True once the frontend has seen the engine-core process die (no hang waiting for it)."""
+    core = getattr(llm.llm_engine, "engine_core", None)
+    res = getattr(core, "resources", None)
+    return bool(getattr(res, "engine_dead", False))

@@ -225,7 +225,7 @@ class _WorkerSide:
         self.hidden = compat.hidden_size(vllm_config)
         self.n_layers = compat.num_layers(vllm_config)
         self.run_meta = dict(c._extra.get("run_meta", {}))
-        self.transport_cfg = dict(c._extra.get("transport", {"name": "file", "path": "/tmp/layertap"}))
+        self.transport_cfg = dict(c._extra["transport"])
         self.compact_cfg = self.transport_cfg.get("compact")
         self.view: torch.Tensor | None = None
         self.rank0 = True
@@ -261,7 +261,7 @@ class _WorkerSide:
                 raise CacheLayoutError(f"layer id {lid} outside 0..{self.n_layers}")
         if self.rank0:
             writer_id = f"{socket.gethostname()}-{os.getpid()}"
-            self.sink = get_transport(self.transport_cfg["name"]).make_sink(self.transport_cfg, writer_id)
+            self.sink = get_transport(self.transport_cfg["backend"]).make_sink(self.transport_cfg, writer_id)
             self.writer = threading.Thread(target=self._write_loop, name="layertap-writer", daemon=True)
             self.writer.start()
 

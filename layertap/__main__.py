@@ -1,0 +1,5 @@
+import sys
+
+from layertap.cli import main
+
+sys.exit(main())
