@@ -192,10 +192,14 @@ class Tap:
                 todo.append(it)
         yield from self._run(todo, sp, mode)
 
-    def _limit(self) -> int:
+    def _can_admit(self, running: int, pending_records: int) -> bool:
+        """Engine bound: ``max_inflight`` requests running. Transport bound: every running request and every
+        record not yet consumed must fit the transport's free capacity, so the worker never blocks on a
+        full pool because of us (the producer slows by admitting fewer requests, nothing is dropped)."""
+        if self.max_inflight is not None and running >= self.max_inflight:
+            return False
         free = self.source.free_capacity()
-        lim = self.max_inflight or 1 << 30
-        return min(lim, free) if free is not None else lim
+        return free is None or running + pending_records < free
 
     def _run(self, todo: list[InputItem], sp, mode: str) -> Iterator[Record]:
         from vllm import TokensPrompt
@@ -208,7 +212,7 @@ class Tap:
         running = 0
         last_progress = time.monotonic()
         while queue or running or expect:
-            while queue and running + len(expect) < self._limit():
+            while queue and self._can_admit(running, len(expect)):
                 it = queue.pop()
                 self._n_req += 1
                 rid = f"{self.run}-{it.index}-{self._n_req}"

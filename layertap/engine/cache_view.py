@@ -85,24 +85,32 @@ class ViewGeometry:
     offset_axis: int
 
 
-def view_geometry(shape: Sequence[int], n_planes: int, hidden: int) -> ViewGeometry:
+def view_geometry(shape: Sequence[int], n_planes: int, hidden: int, plane_axis: int | None = None) -> ViewGeometry:
     """Identify the axes of the capture layer's view by matching the configured capture count.
 
-    The logical view is ``[num_blocks, n_planes, block_size, hidden]``. If a future layout swaps the
-    middle axes, the plane axis is the one whose size equals ``n_planes``; when both middle axes have that
-    size the logical order is assumed (and stated in the start-up log). The last axis must be ``hidden``.
+    The view is ``[num_blocks, n_planes, block_size, hidden]`` (vLLM 0.32) or ``[num_blocks, block_size,
+    n_planes, hidden]`` (vLLM 0.25). ``plane_axis`` is what the running vLLM version writes (from
+    ``compat``); the axis at that position must have the capture count, else this raises (a layout change
+    read as the wrong axis is silent garbage). Without a hint the axis is found by size, and a tie raises.
     """
     if len(shape) != 4:
         raise CacheLayoutError(f"capture view has {len(shape)} dims {tuple(shape)}; expected 4 "
-                               "[num_blocks, n_planes, block_size, hidden]")
+                               "[num_blocks, n_planes, block_size, hidden] or [num_blocks, block_size, n_planes, hidden]")
     if shape[3] != hidden:
         raise CacheLayoutError(f"capture view {tuple(shape)}: last axis {shape[3]} != model hidden size {hidden}")
-    if shape[1] == n_planes:
-        plane_axis, offset_axis = 1, 2
-    elif shape[2] == n_planes:
-        plane_axis, offset_axis = 2, 1
-    else:
+    matches = [a for a in (1, 2) if shape[a] == n_planes]
+    if plane_axis is not None:
+        if plane_axis not in (1, 2) or shape[plane_axis] != n_planes:
+            raise CacheLayoutError(f"capture view {tuple(shape)}: this vLLM writes planes on axis {plane_axis}, but "
+                                   f"that axis does not have the {n_planes} captured layers (layout changed?)")
+    elif len(matches) == 1:
+        plane_axis = matches[0]
+    elif not matches:
         raise CacheLayoutError(f"capture view {tuple(shape)}: no axis matches the {n_planes} captured layers")
+    else:
+        raise CacheLayoutError(f"capture view {tuple(shape)}: both middle axes equal the capture count {n_planes}; "
+                               "the plane axis must be given")
+    offset_axis = 3 - plane_axis
     return ViewGeometry(num_blocks=int(shape[0]), view_block_size=int(shape[offset_axis]), n_planes=n_planes,
                         hidden=hidden, plane_axis=plane_axis, offset_axis=offset_axis)
 

@@ -68,6 +68,13 @@ def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def capture_plane_axis(v: str) -> int:
+    """Axis of the capture layer's view that holds the layer planes, as this vLLM writes it:
+    0.25 scatters ``kv_cache[slot // bs, slot % bs]`` into ``[blocks, block_size, planes, hidden]``;
+    0.32 scatters ``kv_cache[slot // bs, :, slot % bs]`` into ``[blocks, planes, block_size, hidden]``."""
+    return 2 if v.startswith("0.25") else 1
+
+
 def check_known_bugs(v: str, layer_ids: list[int], enforce_eager: bool, on_cuda: bool) -> None:
     """vLLM 0.25 in eager mode on CUDA returns the final normed output for layer id 0 (the embedding
     tensor is kept by reference and overwritten by an in-place fused add-norm). Refuse it up front;

@@ -48,6 +48,7 @@ from layertap.engine.cache_view import (
     slots_for,
     view_geometry,
 )
+from layertap.engine.gpu_gather import gather_to_host
 from layertap.records import LAYER_SEMANTICS, token_digest
 from layertap.transport.base import get_transport
 
@@ -243,7 +244,8 @@ class _WorkerSide:
         name = compat.capture_layer_name(list(kv_caches))
         view = kv_caches[name]
         n_planes = len(self.c._layer_ids)
-        self.geo = view_geometry(tuple(view.shape), n_planes, self.hidden)
+        self.geo = view_geometry(tuple(view.shape), n_planes, self.hidden,
+                                 plane_axis=compat.capture_plane_axis(compat.vllm_version()))
         self.ratio = kernel_ratio(self.c._block_size, self.geo.view_block_size)
         self.num_manager_blocks = self.geo.num_blocks // self.ratio
         self.view = view
@@ -311,33 +313,21 @@ class _WorkerSide:
                           num_manager_blocks=self.num_manager_blocks)
         view = self.view
         if view.is_cuda:
-            # Side stream: wait for everything the forward stream queued (the rows' writes), then gather.
-            # Index tensors are created *on the side stream* so the allocator never hands their memory
-            # to the forward stream while the gather still reads them.
             if self.stream is None:
                 self.stream = torch.cuda.Stream(device=view.device)
-            ready = torch.cuda.Event()
-            ready.record()
-            self.stream.wait_event(ready)
-            with torch.cuda.stream(self.stream):
-                dev_slots = slots.pin_memory().to(view.device, non_blocking=True)
-                rows = gather_rows(view, self.geo, dev_slots)
-                host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-                host.copy_(rows, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
+            host, ev, keep = gather_to_host(view, self.geo, slots, self.stream)
         else:
             host = gather_rows(view, self.geo, slots)  # advanced indexing copies: rows are ours now
-            ev = None
+            ev, keep = None, None
         self.inflight[job.req_id] = ev
-        self.jobs.put((job, host, ev))  # blocks when the writer is behind: the engine slows, nothing drops
+        self.jobs.put((job, host, ev, keep))  # blocks when the writer is behind: the engine slows, nothing drops
 
     def _write_loop(self) -> None:
         while True:
             item = self.jobs.get()
             if item is None:
                 return
-            job, host, ev = item
+            job, host, ev, _keep = item
             try:
                 if ev is not None:
                     ev.synchronize()

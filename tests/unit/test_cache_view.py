@@ -61,6 +61,16 @@ def test_geometry_plane_axis_by_capture_count():
     assert (g.plane_axis, g.offset_axis, g.view_block_size) == (2, 1, 16)
 
 
+def test_geometry_version_hint_wins_and_mismatch_raises():
+    # 0.25 writes [blocks, block_size, planes, hidden]; with 16 planes and block size 16 only the hint can tell.
+    assert view_geometry((10, 16, 16, 64), 16, 64, plane_axis=2).plane_axis == 2
+    assert view_geometry((10, 16, 16, 64), 16, 64, plane_axis=1).plane_axis == 1
+    with pytest.raises(CacheLayoutError, match="both middle axes"):
+        view_geometry((10, 16, 16, 64), 16, 64)
+    with pytest.raises(CacheLayoutError, match="layout changed"):
+        view_geometry((10, 3, 16, 64), 3, 64, plane_axis=2)
+
+
 @pytest.mark.parametrize("shape,planes,hidden,msg", [
     ((10, 3, 16, 32), 3, 64, "hidden size"),
     ((10, 4, 16, 64), 3, 64, "no axis matches"),

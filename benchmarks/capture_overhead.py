@@ -1,0 +1,194 @@
+"""Capture overhead: the same prefill workload through plain vLLM, through vLLM with layertap capture, and
+through an HF transformers second pass (what users do without layertap). One process, one run.
+
+Prints tokens/s of each and the ratios, per in-flight batch size. Records must be complete when the
+capture call returns: they are counted (and each one's token digest proven by the Tap).
+
+    python benchmarks/capture_overhead.py                       # CPU: tiny model, small workload
+    python benchmarks/capture_overhead.py --hidden 2048 --num-layers 16 --prompts 256 --prompt-len 1024 \
+        --batch-sizes 1,4,16,64 --dtype bfloat16                # GPU (see scripts/gpu_check.sh)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+
+def build_model(args) -> Path:
+    from layertap.models.tiny import TinySpec, build_tiny_model, default_cache_dir, spec_hash
+
+    heads = max(1, args.hidden // args.head_dim)
+    spec = TinySpec(kind="qwen3", hidden_size=args.hidden, num_layers=args.num_layers, num_heads=heads,
+                    num_kv_heads=max(1, heads // 4) if heads >= 4 else heads, head_dim=args.head_dim,
+                    intermediate_size=args.hidden * 3, vocab_size=args.vocab, max_position_embeddings=8192)
+    return build_tiny_model(default_cache_dir() / f"bench-{spec_hash(spec)}", spec)
+
+
+def prompts(args) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(10, args.vocab - 10) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+
+
+def drive(engine, batch: list[list[int]], inflight: int, params_for) -> int:
+    """Run every prompt with at most ``inflight`` requests in the engine; returns tokens processed."""
+    from vllm import TokensPrompt
+
+    todo = list(enumerate(batch))[::-1]
+    running, tokens = 0, 0
+    while todo or running:
+        while todo and running < inflight:
+            i, ids = todo.pop()
+            engine.add_request(f"plain-{time.monotonic_ns()}-{i}", TokensPrompt(prompt_token_ids=ids), params_for(i))
+            running += 1
+            tokens += len(ids)
+        for out in engine.step():
+            running -= out.finished
+    return tokens
+
+
+def engine_kwargs(args) -> dict:
+    kw = dict(dtype=args.dtype, max_model_len=args.prompt_len + 8, max_num_seqs=max(args.batch_sizes),
+              max_num_batched_tokens=max(args.max_num_batched_tokens, args.prompt_len),
+              enable_prefix_caching=False, enforce_eager=args.eager)
+    if torch.cuda.is_available():
+        kw["gpu_memory_utilization"] = args.gpu_mem
+    else:
+        kw["kv_cache_memory_bytes"] = 512 << 20
+    return kw
+
+
+def shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def bench_plain(model, data, args) -> dict[int, float]:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(model), **engine_kwargs(args))
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    drive(llm.llm_engine, data[: max(args.batch_sizes)], max(args.batch_sizes), lambda i: sp)  # warm-up
+    out = {}
+    for b in args.batch_sizes:
+        t0 = time.perf_counter()
+        n = drive(llm.llm_engine, data, b, lambda i: sp)
+        out[b] = n / (time.perf_counter() - t0)
+    shutdown(llm)
+    return out
+
+
+def bench_capture(model, data, args) -> dict[int, float]:
+    from layertap.tap import Tap
+
+    out = {}
+    tap = Tap(model=model, layers=args.layers, transport=args.transport,
+              transport_config={"slot_bytes": 64 << 20, "num_slots": args.shm_slots, "checksum": args.checksum}
+              if args.transport == "shm" else None,
+              out=args.out if args.transport == "file" else None, **engine_kwargs(args))
+    try:
+        inputs = [{"token_ids": ids} for ids in data]
+        tap.max_inflight = max(args.batch_sizes)
+        n = sum(1 for _ in tap.capture(inputs[: max(args.batch_sizes)]))  # warm-up
+        for b in args.batch_sizes:
+            tap.max_inflight = b
+            t0 = time.perf_counter()
+            count = 0
+            for rec in tap.capture(inputs):
+                count += 1
+                rec.release()
+            dt = time.perf_counter() - t0
+            if count != len(inputs):
+                raise SystemExit(f"capture returned {count} records for {len(inputs)} requests")
+            out[b] = len(inputs) * args.prompt_len / dt
+    finally:
+        tap.close()
+    return out
+
+
+@torch.no_grad()
+def bench_hf(model, data, args) -> float:
+    from transformers import AutoModelForCausalLM
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype)
+    m = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype).to(dev).eval()
+    bs = args.hf_batch
+
+    def run(rows):
+        for i in range(0, len(rows), bs):
+            ids = torch.tensor(rows[i : i + bs], device=dev)
+            hs = m.model(input_ids=ids, output_hidden_states=True).hidden_states
+            host = [hs[j].to("cpu") for j in args.layers if j < len(hs)]  # what a user stores
+            del host
+
+    run(data[:bs])
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    run(data)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    rate = len(data) * args.prompt_len / (time.perf_counter() - t0)
+    del m
+    gc.collect()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return rate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--num-layers", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=32)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="captured layer ids (default: 4 ids spread over the model, as an EAGLE-3 run would)")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (default: compiled)")
+    ap.add_argument("--gpu-mem", type=float, default=0.35)
+    ap.add_argument("--transport", default="shm", choices=["shm", "file"])
+    ap.add_argument("--checksum", default="crc32", help="shm payload checksum (crc32|sum64|none)")
+    ap.add_argument("--shm-slots", type=int, default=16)
+    ap.add_argument("--out", default="/dev/shm/layertap-bench", help="file transport: dataset directory")
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+    n = args.num_layers
+    args.layers = args.layers or sorted({1, max(1, n // 2), max(1, n - 3), n})
+    model = build_model(args)
+    data = prompts(args)
+    plain = bench_plain(model, data, args)
+    cap = bench_capture(model, data, args)
+    hf = bench_hf(model, data, args)
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"\ncapture overhead on {dev}: {args.prompts} x {args.prompt_len}-token prefill, hidden {args.hidden}, "
+          f"{n} layers, {args.dtype}, {'eager' if args.eager else 'compiled'}, layers {args.layers}, "
+          f"transport {args.transport}")
+    print(f"{'in-flight':>9} {'plain tok/s':>12} {'capture tok/s':>14} {'ratio':>6} {'vs HF':>6}")
+    rows = []
+    for b in args.batch_sizes:
+        r = {"batch": b, "plain": plain[b], "capture": cap[b], "ratio": cap[b] / plain[b], "vs_hf": cap[b] / hf}
+        rows.append(r)
+        print(f"{b:>9} {plain[b]:>12.0f} {cap[b]:>14.0f} {r['ratio']:>6.2f} {r['vs_hf']:>5.1f}x")
+    print(f"HF transformers second pass (batch {args.hf_batch}, layers copied to host): {hf:.0f} tok/s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": dev, "args": vars(args), "rows": rows, "hf": hf}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

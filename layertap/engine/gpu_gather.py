@@ -1,0 +1,46 @@
+"""Gathering captured rows off the GPU without stalling the forward stream. No vLLM import.
+
+Stream discipline (the bug class peers shipped: capture indices allocated on the wrong stream):
+  1. an event recorded on the *current* (forward) stream marks the rows as written; the side stream
+     waits on it, so the gather never reads a row before the forward pass wrote it;
+  2. the slot-index tensor is created *on the side stream* (``torch.cuda.stream(side)`` is active when it
+     is allocated), so the caching allocator ties its memory to the side stream: it cannot be handed to a
+     forward-stream allocation while the gather still reads it;
+  3. rows go to pinned host memory with a non-blocking copy; the returned event completes when the host
+     copy is done, and only then may the blocks be freed (the connector reports them then).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from layertap.engine.cache_view import ViewGeometry, gather_rows
+
+
+def gather_to_host(view: torch.Tensor, geo: ViewGeometry, slots: torch.Tensor, side: "torch.cuda.Stream", *,
+                   index_on_side_stream: bool = True, delay_cycles: int = 0):
+    """Queue the gather of ``slots`` on ``side``; returns (pinned host rows, completion event, keep-alive).
+
+    ``index_on_side_stream=False`` and ``delay_cycles`` exist only so a test can show what goes wrong with
+    the index tensor on the wrong stream (the connector never passes them).
+    """
+    ready = torch.cuda.Event()
+    ready.record()  # on the forward stream: everything queued so far, including the rows' writes
+    side.wait_event(ready)
+    host_slots = slots.pin_memory()
+    if index_on_side_stream:
+        with torch.cuda.stream(side):
+            dev_slots = host_slots.to(view.device, non_blocking=True)
+    else:
+        dev_slots = host_slots.to(view.device, non_blocking=True)  # WRONG: allocated on the forward stream
+        side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        if delay_cycles:
+            torch.cuda._sleep(delay_cycles)
+        rows = gather_rows(view, geo, dev_slots)
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        host.copy_(rows, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(side)
+    # The pinned source of the H2D copy must outlive it; the caller holds this until ``done``.
+    return host, done, host_slots

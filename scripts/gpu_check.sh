@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU checks, in one script, for the lent GPU machine (bare: torch 2.11 + transformers, no vLLM, no
+# network). vLLM 0.25.1 arrives as a bundle in two device runs (see ../shared/gpu.md and README "GPU").
+#   bash scripts/gpu_check.sh tests   # CUDA capture correctness (eager + compiled, bf16 vs HF), stream
+#                                      # safety, layer-0 bug detection, tensor parallel 2 if 2 GPUs
+#   bash scripts/gpu_check.sh bench   # capture overhead (hidden 2048, 16 layers, batch 1..64) + trainer MFU
+# Results and logs go to $OUT (the device tool's return folder) or ./gpu-results.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-results}
+mkdir -p "$OUT"
+[ -f "$HOME/vllm-site/env.sh" ] && source "$HOME/vllm-site/env.sh"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 LAYERTAP_CACHE=/tmp/layertap-cache
+export VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false
+phase=${1:-all}
+{
+  date -u; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  python3 -c "import torch, vllm, transformers; print('torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
+  df -h /dev/shm | tail -1
+} 2>&1 | tee "$OUT/env.txt"
+rc=0
+if [ "$phase" = tests ] || [ "$phase" = all ]; then
+  python3 -m pytest -q -p no:cacheprovider -s tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|^(APIServer" | tail -60
+  rc=${PIPESTATUS[0]}
+fi
+if [ "$phase" = bench ] || [ "$phase" = all ]; then
+  python3 benchmarks/capture_overhead.py --hidden 2048 --num-layers 16 --head-dim 128 --vocab 2048 \
+    --prompts 256 --prompt-len 1024 --batch-sizes 1,4,16,64 --dtype bfloat16 --shm-slots 160 \
+    --json "$OUT/capture_overhead.json" 2>&1 | tee "$OUT/capture_overhead.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING" | tail -12
+  rc=$(( rc | PIPESTATUS[0] ))
+  if [ -f benchmarks/train_throughput.py ]; then
+    python3 benchmarks/train_throughput.py 2>&1 | tee "$OUT/train_throughput.log" | tail -8
+    rc=$(( rc | PIPESTATUS[0] ))
+  fi
+fi
+exit $rc

@@ -1,0 +1,84 @@
+"""Capture on CUDA vLLM (bf16), eager and compiled, against HF transformers on the GPU (cosine >= 0.99
+per token and layer), with concurrency, chunked prefill and prefix caching; the layer-0 eager-mode bug of
+vLLM 0.25 is refused up front and caught by the first-record check; tensor parallel 2 when two GPUs."""
+
+import os
+
+import pytest
+import torch
+
+from layertap.engine.compat import KnownVLLMBug
+from layertap.models.tiny import tiny_model
+from layertap.tap import LayerZeroMismatch, Tap
+from layertap.verify import HFReference, compare
+
+from tests.engine.helpers import random_prompts
+
+SHAPE = dict(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512)
+ENGINE = dict(dtype="bfloat16", gpu_memory_utilization=0.2, max_model_len=2048, max_num_seqs=64,
+              max_num_batched_tokens=256, enable_prefix_caching=True)
+_REF = {}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen3", **SHAPE)
+
+
+def ref(model):
+    if "r" not in _REF:
+        _REF["r"] = HFReference(model, dtype=torch.bfloat16, device="cuda")
+    return _REF["r"]
+
+
+def check(records, model, threshold=0.99):
+    assert records
+    worst = 1.0
+    for rec in records:
+        cos, _ = compare(rec, ref(model).planes(rec.token_ids, rec.layer_ids))
+        worst = min(worst, float(cos.min()))
+        assert float(cos.min()) >= threshold, f"record {rec.key}: min cosine {float(cos.min()):.4f}"
+    print(f"{len(records)} records, worst per-token cosine {worst:.5f}")
+
+
+def workload():
+    varied = random_prompts(64, [1, 9, 70, 255, 256, 257, 600, 1500], seed=21)  # chunked: budget 256
+    prefix = random_prompts(2, [700], seed=22)
+    shared = [{"token_ids": prefix[i % 2]["token_ids"] + s["token_ids"]}
+              for i, s in enumerate(random_prompts(24, [3, 40, 200], seed=23))]
+    return varied, shared
+
+
+@pytest.mark.parametrize("mode", ["compiled", "eager"])
+def test_capture_matches_hf_in_bf16(model, mode):
+    from vllm import SamplingParams
+
+    layers = [0, 1, 2, 4] if mode == "compiled" else [1, 2, 4]
+    varied, shared = workload()
+    with Tap(model=model, layers=layers, enforce_eager=(mode == "eager"), **ENGINE) as tap:
+        recs = list(tap.capture(varied))
+        recs += list(tap.capture(shared[:2])) + list(tap.capture(shared))  # second pass hits the prefix cache
+        gen = list(tap.capture(random_prompts(16, [30, 300], seed=24), mode="generate",
+                               sampling_params=SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)))
+        hits = sum(float(m.value) for m in tap.llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+    assert len(recs) == 64 + 2 + 24 and len(gen) == 16
+    assert hits > 0
+    check(recs + gen, model)
+
+
+def test_layer_zero_eager_bug_is_refused_and_detected(model, monkeypatch):
+    with pytest.raises(KnownVLLMBug, match="layer id 0"):
+        Tap(model=model, layers=[0, 2], enforce_eager=True, **ENGINE)
+    monkeypatch.setenv("LAYERTAP_ALLOW_KNOWN_BUGS", "1")
+    with Tap(model=model, layers=[0, 2], enforce_eager=True, **ENGINE) as tap:
+        with pytest.raises(LayerZeroMismatch, match="layer id 0 is not the token embedding"):
+            list(tap.capture(random_prompts(8, [50], seed=25)))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallel needs two GPUs (nvidia-h200-x2)")
+def test_tensor_parallel_2_rank0_writes_and_records_match(model):
+    varied, shared = workload()
+    with Tap(model=model, layers=[1, 2, 4], tensor_parallel_size=2, **ENGINE) as tap:
+        recs = list(tap.capture(varied[:32])) + list(tap.capture(shared))
+    assert len({r.key for r in recs}) == len(recs) == 32 + 24  # one record per request: only rank 0 writes
+    check(recs, model)

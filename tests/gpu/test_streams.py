@@ -1,0 +1,66 @@
+"""CUDA-stream safety of the gather (no vLLM needed): the rows' writes are ordered before the gather, and
+the slot-index tensor lives on the side stream. The wrong-stream variant demonstrably reads another
+request's rows, so this test would catch a regression of the connector's stream discipline."""
+
+import torch
+
+from layertap.engine.cache_view import slots_for, view_geometry
+from layertap.engine.gpu_gather import gather_to_host
+
+PLANES, HIDDEN, BS, BLOCKS = 3, 256, 16, 64
+DELAY = 200_000_000  # GPU cycles the side stream sleeps before gathering (~0.1 s)
+
+
+def setup():
+    torch.manual_seed(0)
+    view = torch.zeros(BLOCKS, PLANES, BS, HIDDEN, device="cuda")
+    geo = view_geometry(tuple(view.shape), PLANES, HIDDEN, plane_axis=1)
+    mine = slots_for(list(range(0, 32)), BS, 0, 32 * BS - 5)
+    other = slots_for(list(range(32, 64)), BS, 0, 32 * BS - 5)
+    a = torch.randn(mine.numel(), PLANES, HIDDEN, device="cuda")
+    b = torch.randn(other.numel(), PLANES, HIDDEN, device="cuda")
+    view[(mine // BS).cuda(), :, (mine % BS).cuda()] = a
+    view[(other // BS).cuda(), :, (other % BS).cuda()] = b
+    torch.cuda.synchronize()
+    return view, geo, mine, other, a, b
+
+
+def adversary(other):
+    """What the forward stream does next: allocate a same-size int64 tensor and fill it (with valid slots of
+    another request). If the allocator hands it the gather's index memory, the gather reads wrong rows."""
+    t = torch.empty(other.numel(), dtype=torch.int64, device="cuda")
+    t.copy_(other.cuda(non_blocking=False))
+    return t
+
+
+def test_gather_waits_for_the_forward_streams_writes():
+    view, geo, mine, _, a, _ = setup()
+    side = torch.cuda.Stream()
+    fresh = torch.randn_like(a)
+    torch.cuda._sleep(DELAY)  # forward stream busy, then it writes new rows
+    view[(mine // BS).cuda(), :, (mine % BS).cuda()] = fresh
+    host, done, _keep = gather_to_host(view, geo, mine, side)
+    done.synchronize()
+    assert torch.equal(host, fresh.cpu())
+
+
+def test_index_tensor_on_side_stream_survives_allocator_reuse():
+    view, geo, mine, other, a, _ = setup()
+    side = torch.cuda.Stream()
+    host, done, _keep = gather_to_host(view, geo, mine, side, delay_cycles=DELAY)
+    junk = adversary(other)
+    done.synchronize()
+    del junk
+    assert torch.equal(host, a.cpu())
+
+
+def test_wrong_stream_index_tensor_reads_another_requests_rows():
+    """The control: the same adversary against an index tensor allocated on the forward stream."""
+    view, geo, mine, other, a, b = setup()
+    side = torch.cuda.Stream()
+    host, done, _keep = gather_to_host(view, geo, mine, side, index_on_side_stream=False, delay_cycles=DELAY)
+    junk = adversary(other)
+    done.synchronize()
+    del junk
+    assert not torch.equal(host, a.cpu()), "allocator reuse did not happen; the control proves nothing"
+    assert torch.equal(host, b.cpu())  # exactly the other request's rows: the silent bug peers shipped
