@@ -92,7 +92,7 @@ def bench_capture(model, data, args) -> dict[int, float]:
 
     out = {}
     tap = Tap(model=model, layers=args.layers, transport=args.transport,
-              transport_config={"slot_bytes": 64 << 20, "num_slots": args.shm_slots, "checksum": args.checksum}
+              transport_config={"slot_bytes": args.slot_mb << 20, "num_slots": args.shm_slots, "checksum": args.checksum}
               if args.transport == "shm" else None,
               out=args.out if args.transport == "file" else None, **engine_kwargs(args))
     try:
@@ -164,6 +164,7 @@ def main() -> None:
     ap.add_argument("--transport", default="shm", choices=["shm", "file"])
     ap.add_argument("--checksum", default="crc32", help="shm payload checksum (crc32|sum64|none)")
     ap.add_argument("--shm-slots", type=int, default=16)
+    ap.add_argument("--slot-mb", type=int, default=64, help="shm slot size in MiB")
     ap.add_argument("--out", default="/dev/shm/layertap-bench", help="file transport: dataset directory")
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--json", default=None, help="also write the results here")

@@ -18,6 +18,11 @@ phase=${1:-all}
   python3 -c "import torch, vllm, transformers; print('torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
   df -h /dev/shm | tail -1
 } 2>&1 | tee "$OUT/env.txt"
+# The shm pools need room in /dev/shm; containers often mount a small one.
+shm_gb=$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)
+[ "${shm_gb:-0}" -lt 8 ] && mount -o remount,size=32G /dev/shm 2>/dev/null; df -h /dev/shm | tail -1
+bench_transport="--transport shm --slot-mb 17 --shm-slots 160"
+[ "$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)" -lt 4 ] && bench_transport="--transport file --out /tmp/lt-bench"
 rc=0
 if [ "$phase" = tests ] || [ "$phase" = all ]; then
   python3 -m pytest -q -p no:cacheprovider -s tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|^(APIServer" | tail -60
@@ -25,7 +30,7 @@ if [ "$phase" = tests ] || [ "$phase" = all ]; then
 fi
 if [ "$phase" = bench ] || [ "$phase" = all ]; then
   python3 benchmarks/capture_overhead.py --hidden 2048 --num-layers 16 --head-dim 128 --vocab 2048 \
-    --prompts 256 --prompt-len 1024 --batch-sizes 1,4,16,64 --dtype bfloat16 --shm-slots 160 \
+    --prompts 256 --prompt-len 1024 --batch-sizes 1,4,16,64 --dtype bfloat16 $bench_transport \
     --json "$OUT/capture_overhead.json" 2>&1 | tee "$OUT/capture_overhead.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING" | tail -12
   rc=$(( rc | PIPESTATUS[0] ))
   if [ -f benchmarks/train_throughput.py ]; then
