@@ -275,7 +275,7 @@ def _loop(tap: "Tap", jobs: list[_Job], s: _Settings, lora_request: Any, priorit
     batch = uuid.uuid4().hex[:6]
     last_progress = time.monotonic()
     while queue or by_rid or len(samples) < len(owner):
-        while queue and (not by_rid or _inflight(owner, samples) + queue[-1].params.n <= tap._limit()):
+        while queue and (not by_rid or _can_admit(tap, len(owner) - len(samples) + queue[-1].params.n)):
             job = queue.pop()
             ext = f"{tap.run}-g{batch}-{job.index}"  # RequestOutput.request_id; the engine adds a suffix
             rid = engine.add_request(ext, job.prompt, job.params, lora_request=lora_request, priority=priority)
@@ -297,8 +297,13 @@ def _loop(tap: "Tap", jobs: list[_Job], s: _Settings, lora_request: Any, priorit
     return samples
 
 
-def _inflight(owner: dict[str, _Job], samples: dict[str, _Sample]) -> int:
-    return len(owner) - len(samples)
+def _can_admit(tap: "Tap", samples_in_flight: int) -> bool:
+    """At most ``tap.max_inflight`` samples running, and no more than the transport can hold (records are
+    consumed as they arrive, so the worker never blocks on a full shm pool because of this call)."""
+    if tap.max_inflight is not None and samples_in_flight > tap.max_inflight:
+        return False
+    free = tap.source.free_capacity()
+    return free is None or samples_in_flight <= free
 
 
 def _receive(rec: Record, run: str, owner: dict[str, _Job], samples: dict[str, _Sample], s: _Settings) -> None:
