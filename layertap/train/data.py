@@ -126,6 +126,7 @@ def records_from_hf(model_path: str | Path, items: Iterable[InputItem | Sequence
                 index=it.index, token_ids=ids[0], hidden_states=torch.stack(planes, dim=1).contiguous(),
                 layer_ids=list(layer_ids), num_prompt_tokens=first_trained, loss_mask=mask,
                 meta={"index": it.index, "model": str(model_path), "layer_ids": list(layer_ids),
+                      "num_prompt_tokens": first_trained,
                       "layer_semantics": LAYER_SEMANTICS, "mode": "hf-reference",
                       "token_digest": token_digest(ids[0]), "num_tokens": len(it.token_ids),
                       **(extra_meta or {})},

@@ -29,7 +29,7 @@ def head_selftest(target: str | Path, records: Sequence[Record], last_id: int, *
     greedy, forced = [], []
     for rec in list(records[i] for i in range(min(n, len(records)))):
         h = rec.hidden_states[:, plane_index(rec, last_id)]
-        start = max(rec.num_prompt_tokens - 1, 0)
+        start = max(_first_trained(rec) - 1, 0)
         if start >= int(rec.token_ids.shape[0]) - 1:
             continue
         (greedy if is_greedy(rec) else forced).append(agreement(head, h, rec.token_ids, start))
@@ -40,6 +40,13 @@ def head_selftest(target: str | Path, records: Sequence[Record], last_id: int, *
         raise ValueError(f"{msg}: below {MIN_AGREEMENT} on a greedy span - layer id {last_id} is not the "
                          "pre-norm last state of this target, or the head does not belong to it")
     return msg
+
+
+def _first_trained(rec: Record) -> int:
+    """First answer token: from the loss mask when there is one (it survives every transport)."""
+    if rec.loss_mask is not None and bool(rec.loss_mask.any()):
+        return int(rec.loss_mask.nonzero()[0, 0])
+    return rec.num_prompt_tokens
 
 
 def _mean(xs: list[float]) -> str:
