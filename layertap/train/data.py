@@ -207,3 +207,19 @@ def write_dataset(records: Iterable[Record], out_dir: str | Path, manifest: dict
         sink.close()
     (out / "dataset.json").write_text(json.dumps(manifest, indent=1))
     return out
+
+
+def records_from_source(source: Any, *, poll_timeout: float = 1.0, idle_timeout: float = 30.0) -> Iterator[Record]:
+    """Adapt a transport ``Source`` (``poll() -> list[Record]``) into the record iterator the trainer
+    takes: online training runs the same ``Trainer.fit`` as offline. Ends after ``idle_timeout`` seconds
+    without a new record (the producer finished or died; ``Source`` raises ``PeerGone`` for the latter)."""
+    import time
+
+    last = time.monotonic()
+    while True:
+        got = source.poll(poll_timeout)
+        if got:
+            last = time.monotonic()
+            yield from got
+        elif time.monotonic() - last > idle_timeout:
+            return

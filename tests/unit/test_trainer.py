@@ -111,3 +111,22 @@ def test_export_layout(kind, fmt, tmp_path):
         assert {"fc.weight", "hidden_norm.weight", "layers.1.self_attn.k_norm.weight"} <= names
         ids = conf["dflash_config"]["target_layer_ids"] if fmt == "zlab" else conf["aux_hidden_state_layer_ids"]
         assert ids == ([0, 1, 2] if fmt == "zlab" else [1, 2, 3])
+
+
+def test_online_from_transport_source(tmp_path):
+    """Records written to a ``file`` dataset while the trainer tails it (FileSource.poll) train exactly
+    like the same records handed over as a list."""
+    from layertap.train.data import records_from_source, write_dataset
+    from layertap.transport.file import FileSource
+
+    recs = list(tiny_records())
+    write_dataset(recs, tmp_path / "ds", {"model": str(tiny_target())})
+    src = FileSource(tmp_path / "ds")
+    online = _trainer("eagle3", tmp_path / "online", steps=3)
+    online.fit(records_from_source(src, poll_timeout=0.01, idle_timeout=0.2))
+    src.close()
+    offline = _trainer("eagle3", tmp_path / "offline", steps=3)
+    offline.fit(recs)
+    assert online.step == 3
+    for (n, x), (_, y) in zip(online.model.state_dict().items(), offline.model.state_dict().items()):
+        assert torch.equal(x, y), n
