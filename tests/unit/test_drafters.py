@@ -196,3 +196,17 @@ def test_collate_picks_planes_by_id():
     torch.testing.assert_close(b.aux[0, :n, 128:], recs[0].hidden_states[:n, 1])
     with pytest.raises(ValueError, match="layer id 7 not captured"):
         collate(recs, [7], 4, 64)
+
+
+def test_dflash_greedy_replay_is_prefix_acceptance():
+    """Per-position acceptance from the replay is non-increasing (acceptance stops at the first miss)
+    and the mean acceptance length is 1 + their sum, as vLLM defines it."""
+    from layertap.train.eval import dflash_greedy_acceptance
+
+    m = _dflash(block=4)
+    recs = tiny_records(2, greedy_tokens=12)
+    b = collate(recs, [1, 2, 3], None, 96)
+    per_pos, al, drafts = dflash_greedy_acceptance(m, b, 3)
+    assert drafts > 0 and len(per_pos) == 3
+    assert all(x >= y for x, y in zip(per_pos, per_pos[1:]))
+    assert al == pytest.approx(1 + sum(per_pos))
