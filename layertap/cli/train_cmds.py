@@ -158,7 +158,8 @@ def _train(args: argparse.Namespace) -> int:
                        batch_size=args.batch_size, max_len=args.max_len, seed=args.seed,
                        log_every=args.log_every, save_every=args.save_every,
                        tensorboard=not args.no_tensorboard, device=args.device,
-                       dtype="bfloat16" if args.device.startswith("cuda") else "float32")
+                       dtype="bfloat16" if args.device.startswith("cuda") else "float32",
+                       extra={"epochs": args.epochs})
     ckpt = Path(args.out) / CKPT
     if args.resume:
         if not ckpt.exists():
@@ -172,7 +173,8 @@ def _train(args: argparse.Namespace) -> int:
             print(head_selftest(target, ds, cfg.last_layer_id))
             draft_ids = draft_vocab_from_counts(token_counts(ds, cfg.shape.vocab_size), cfg.draft_vocab_size)
         tr = Trainer(args.kind, cfg, tcfg, target, draft_ids)
-    tr.fit(epoch_stream(ds, args.epochs, args.seed))
+    # On resume the data order must be the original run's: take epochs and seed from the checkpoint.
+    tr.fit(epoch_stream(ds, int(tr.tcfg.extra.get("epochs", args.epochs)), tr.tcfg.seed))
     path = tr.finish()
     print(f"saved {path} at step {tr.step}; plot {Path(args.out) / 'training.png'}")
     return 0

@@ -123,6 +123,8 @@ class TrainConfig:
     dtype: str = "float32"
     """Autocast dtype on CUDA ("bfloat16"); CPU trains in fp32."""
     extra: dict[str, Any] = field(default_factory=dict)
+    """Source-specific settings saved with the checkpoint (e.g. the offline epoch count, so a resume
+    replays the same record order)."""
 
     def __post_init__(self) -> None:
         _positive(self, "lr", "max_steps", "batch_size", "max_len", "grad_clip", "log_every")
