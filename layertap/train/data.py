@@ -40,6 +40,13 @@ class Batch:
                      self.lengths.to(device))
 
 
+def check_full_rows(rec: Record) -> None:
+    """Drafters attend over every earlier row, so records that kept only some rows cannot train them."""
+    if getattr(rec, "positions", None) is not None:
+        raise ValueError(f"record {rec.key}: holds only selected rows (captured with --only-loss-masked); "
+                         "drafter training needs every row: capture without it")
+
+
 def plane_index(rec: Record, layer_id: int) -> int:
     """Plane of ``layer_id`` in ``rec``; raises naming the record and the ids it does hold."""
     if layer_id not in rec.layer_ids:
@@ -69,6 +76,7 @@ def collate(recs: Sequence[Record], aux_ids: Sequence[int], last_id: int | None,
     last = torch.zeros(b, t, h) if last_id is not None else None
     mask = torch.zeros(b, t)
     for i, (r, k) in enumerate(zip(recs, n)):
+        check_full_rows(r)
         ids[i, :k] = r.token_ids[:k]
         planes = [plane_index(r, a) for a in aux_ids]
         aux[i, :k] = r.hidden_states[:k, planes].float().reshape(k, -1)
