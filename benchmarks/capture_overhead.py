@@ -94,7 +94,8 @@ def bench_capture(model, data, args) -> dict[int, float]:
     tap = Tap(model=model, layers=args.layers, transport=args.transport,
               transport_config={"slot_bytes": args.slot_mb << 20, "num_slots": args.shm_slots, "checksum": args.checksum}
               if args.transport == "shm" else None,
-              out=args.out if args.transport == "file" else None, **engine_kwargs(args))
+              out=args.out if args.transport == "file" else None, zero_copy=args.transport == "shm",
+              **engine_kwargs(args))
     try:
         inputs = [{"token_ids": ids} for ids in data]
         tap.max_inflight = max(args.batch_sizes)
@@ -162,7 +163,8 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="enforce_eager (default: compiled)")
     ap.add_argument("--gpu-mem", type=float, default=0.35)
     ap.add_argument("--transport", default="shm", choices=["shm", "file"])
-    ap.add_argument("--checksum", default="crc32", help="shm payload checksum (crc32|sum64|none)")
+    ap.add_argument("--checksum", default="none",
+                    help="shm payload checksum (crc32|sum64|none; the token digest is always checked)")
     ap.add_argument("--shm-slots", type=int, default=16)
     ap.add_argument("--slot-mb", type=int, default=64, help="shm slot size in MiB")
     ap.add_argument("--out", default="/dev/shm/layertap-bench", help="file transport: dataset directory")

@@ -143,7 +143,7 @@ class Tap:
     def _start_engine(self, kw: dict[str, Any], on_cuda: bool):
         from vllm import LLM
 
-        kw = dict(kw)
+        kw = {**compat.engine_defaults(self.version, on_cuda, kw), **kw}
         if not on_cuda and "kv_cache_memory_bytes" not in kw and "gpu_memory_utilization" not in kw:
             kw["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_BYTES
         extra = {"transport": self.transport_cfg, "run_meta": self.run_meta,

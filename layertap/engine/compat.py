@@ -160,15 +160,30 @@ def new_requests(scheduler_output: Any) -> list[tuple[str, tuple[list[int], ...]
     return out
 
 
-def cached_requests(scheduler_output: Any) -> list[tuple[str, tuple[list[int], ...] | None, bool, int]]:
-    """(req_id, new block ids per group or None, resumed (ids replace), num_computed_tokens)."""
+def cached_requests(scheduler_output: Any) -> list[tuple[str, tuple[list[int], ...] | None, bool, int, int]]:
+    """(req_id, new block ids per group or None, resumed (ids replace), num_computed_tokens, num_output_tokens)."""
     c = scheduler_output.scheduled_cached_reqs
     resumed = set(getattr(c, "resumed_req_ids", ()) or ())
     out = []
     for i, rid in enumerate(c.req_ids):
         nb = c.new_block_ids[i]
         out.append((rid, tuple(list(b) for b in nb) if nb is not None else None, rid in resumed,
-                    int(c.num_computed_tokens[i])))
+                    int(c.num_computed_tokens[i]), int(c.num_output_tokens[i])))
+    return out
+
+
+def engine_defaults(v: str, on_cuda: bool, user_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Engine settings layertap needs on this vLLM, unless the user set them.
+
+    vLLM 0.25 on CUDA turns on async scheduling for ``extract_hidden_states``. With it, the scheduler's
+    token positions run ahead of the positions the worker writes (a rejected dummy draft is corrected on
+    the GPU), and on the H200 the decode-step rows of generated tokens came back unwritten (zeros), while
+    prompt rows were right. The first-steps slot check caught the position mismatch. Until that path is
+    proven, capture runs with synchronous scheduling there.
+    """
+    out: dict[str, Any] = {}
+    if v.startswith("0.25") and on_cuda and "async_scheduling" not in user_kwargs:
+        out["async_scheduling"] = False
     return out
 
 

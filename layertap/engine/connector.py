@@ -166,6 +166,7 @@ class _SchedulerSide:
         self.params: dict[str, dict] = {}
         self.pending: list[SaveJob] = []
         self.steps = 0
+        self.decode_steps = 0
 
     def build_meta(self, out) -> LayertapMetadata:
         g = self.c._group
@@ -178,12 +179,18 @@ class _SchedulerSide:
                 self.params[rid] = params[PARAMS_KEY]
             if want_checks and rid in sched:
                 checks.append(SlotCheck(rid, list(self.blocks[rid]), computed, computed + sched[rid]))
-        for rid, new_blocks, resumed, computed in compat.cached_requests(out):
+        cached = compat.cached_requests(out)
+        # Decode steps (a token + the dummy draft) are checked too: their positions are where scheduler and
+        # worker can disagree (async scheduling), and the first steps of a run are often all prefill.
+        decoding = any(n_out > 0 and rid in sched for rid, _, _, _, n_out in cached)
+        want_decode_checks = decoding and self.decode_steps < self.c._check_steps
+        for rid, new_blocks, resumed, computed, _ in cached:
             if new_blocks is not None and len(new_blocks) > g:
                 self.blocks[rid] = list(new_blocks[g]) if resumed else self.blocks.get(rid, []) + list(new_blocks[g])
-            if want_checks and rid in sched:
+            if (want_checks or want_decode_checks) and rid in sched:
                 checks.append(SlotCheck(rid, list(self.blocks.get(rid, [])), computed, computed + sched[rid]))
         self.steps += 1
+        self.decode_steps += want_decode_checks
         meta = LayertapMetadata(saves=self.pending, checks=checks)
         self.pending = []
         return meta
