@@ -25,7 +25,7 @@ bench_transport="--transport shm --slot-mb 17 --shm-slots 160"
 [ "$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)" -lt 4 ] && bench_transport="--transport file --out /tmp/lt-bench"
 rc=0
 if [ "$phase" = tests ] || [ "$phase" = all ]; then
-  python3 -m pytest -q -p no:cacheprovider -s tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|^(APIServer" | tail -60
+  python3 -m pytest -q -p no:cacheprovider -s tests/gpu ${GPU_TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|^(APIServer" | tail -60
   rc=${PIPESTATUS[0]}
 fi
 if [ "$phase" = bench ] || [ "$phase" = all ]; then
