@@ -87,7 +87,9 @@ def _add_train(sub: Any) -> None:
     p.add_argument("--dflash-layers", type=int, default=2, help="dflash: number of draft decoder layers")
     p.add_argument("--anchors", type=int, default=64, help="dflash: anchors sampled per sequence per step")
     p.add_argument("--epochs", type=int, default=1, help="passes over the dataset (reshuffled each epoch)")
-    p.add_argument("--max-steps", type=int, default=200, help="optimizer steps (stops earlier if data runs out)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="optimizer steps, the LR schedule's length (default 200; on --resume the checkpoint's; "
+                   "a different value on resume extends the run but is no longer bit-exact)")
     p.add_argument("--batch-size", type=int, default=4, help="records per step")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, warmup + cosine)")
     p.add_argument("--warmup", type=int, default=20, help="warmup steps")
@@ -154,7 +156,7 @@ def _train(args: argparse.Namespace) -> int:
     if len(ds) == 0:
         raise SystemExit(f"train-offline: dataset {args.dataset} holds no records")
     target = _target_of(args, ds)
-    tcfg = TrainConfig(out_dir=args.out, lr=args.lr, warmup_steps=args.warmup, max_steps=args.max_steps,
+    tcfg = TrainConfig(out_dir=args.out, lr=args.lr, warmup_steps=args.warmup, max_steps=args.max_steps or 200,
                        batch_size=args.batch_size, max_len=args.max_len, seed=args.seed,
                        log_every=args.log_every, save_every=args.save_every,
                        tensorboard=not args.no_tensorboard, device=args.device,
@@ -164,7 +166,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume:
         if not ckpt.exists():
             raise SystemExit(f"train-offline: --resume but no checkpoint at {ckpt}")
-        tr = Trainer.load(ckpt, max_steps=args.max_steps)
+        tr = Trainer.load(ckpt, **({} if args.max_steps is None else {"max_steps": args.max_steps}))
         print(f"resumed at step {tr.step} ({tr.records_seen} records consumed)")
     else:
         cfg = _build_config(args, target, ds[0].layer_ids)

@@ -148,14 +148,15 @@ class Trainer:
                 "chain": [float(s.chain) / c for s, c in zip(stats, cnt)],
                 "tokens": int(b.lengths.sum())}
 
-    def fit(self, records: Iterable[Record]) -> list[dict[str, Any]]:
-        """Train until ``max_steps`` or the source ends; skips records consumed before a resume."""
+    def fit(self, records: Iterable[Record], *, stop_after: int | None = None) -> list[dict[str, Any]]:
+        """Train until ``max_steps`` (or ``stop_after`` steps, leaving the schedule planned for
+        ``max_steps``: an interruption) or the source ends; skips records consumed before a resume."""
         aux_ids, last_id = self._layer_ids()
         skip = self.records_seen
         stream = islice(iter(records), skip, None)
         t0 = time.monotonic()
         for b, seen in batches(stream, self.tcfg.batch_size, aux_ids, last_id, self.tcfg.max_len):
-            if self.step >= self.tcfg.max_steps:
+            if self.step >= min(self.tcfg.max_steps, stop_after or self.tcfg.max_steps):
                 break
             m = self.train_step(b)
             self.records_seen = skip + seen

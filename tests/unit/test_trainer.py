@@ -50,14 +50,15 @@ def test_loss_decreases_on_fixed_batch(kind, tmp_path):
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
 def test_resume_equals_uninterrupted(kind, tmp_path):
     recs = list(tiny_records())
-    full = _trainer(kind, tmp_path / "full", steps=6)
+    full = _trainer(kind, tmp_path / "full", steps=8)
     full.fit(epoch_stream(recs, 2, 0))
-    part = _trainer(kind, tmp_path / "part", steps=3)
-    part.fit(epoch_stream(recs, 2, 0))
+    part = _trainer(kind, tmp_path / "part", steps=8)
+    part.fit(epoch_stream(recs, 2, 0), stop_after=4)  # interrupted mid-cosine, mid-epoch
     ckpt = part.save()
-    resumed = Trainer.load(ckpt, max_steps=6)
+    resumed = Trainer.load(ckpt)
+    assert resumed.step == 4
     resumed.fit(epoch_stream(recs, 2, 0))  # the same re-iterable source; the consumed prefix is skipped
-    assert resumed.step == full.step == 6
+    assert resumed.step == full.step == 8
     assert [h["loss"] for h in resumed.log.history] == [h["loss"] for h in full.log.history]
     for (n, a), (_, b) in zip(full.model.state_dict().items(), resumed.model.state_dict().items()):
         assert torch.equal(a, b), n
