@@ -1,0 +1,162 @@
+"""Acceptance in vLLM, in a child process: ``python -m layertap.pipeline.evaluate JOB.json RESULT.json``.
+
+A child process because vLLM's Prometheus counters are process-global: the capture engine of the run
+(an ``extract_hidden_states`` "drafter") would otherwise count into the evaluation's deltas. The child
+runs ``layertap.train.eval.run_eval`` (plain decoding, ngram, the drafter, outputs compared) for the
+final table, or only the drafter for the intermediate points of the acceptance curve.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("layertap")
+
+
+def drafter_only(target: str, drafters: dict[str, dict[str, Any]], prompts: list[list[int]], *,
+                 max_tokens: int, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Acceptance of each drafter without the plain/ngram baselines (intermediate evaluations)."""
+    from layertap.train.eval import _engine, _generate, _snapshot, spec_result
+
+    results = []
+    for name, spec in drafters.items():
+        llm = _engine(target, spec, engine_kwargs)
+        before = _snapshot(llm)
+        _generate(llm, prompts, max_tokens)
+        results.append(asdict(spec_result(name, before, _snapshot(llm))))
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    return {"num_prompts": len(prompts), "max_tokens": max_tokens, "results": results}
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    from layertap.train.eval import run_eval
+
+    kw = {"target": job["target"], "drafters": job["drafters"], "prompts": job["prompts"],
+          "max_tokens": job["max_tokens"], "engine_kwargs": job["engine_kwargs"]}
+    if job["baseline"]:
+        res = run_eval(**kw, ngram_k=job["ngram_k"], verbose=False)
+    else:
+        res = drafter_only(**kw)
+    res["step"] = job["step"]
+    return res
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m layertap.pipeline.evaluate JOB.json RESULT.json", file=sys.stderr)
+        return 2
+    import torch
+
+    job = json.loads(Path(argv[0]).read_text())
+    if job.get("threads"):
+        torch.set_num_threads(int(job["threads"]))
+    res = run_job(job)
+    tmp = Path(argv[1]).with_suffix(".tmp")
+    tmp.write_text(json.dumps(res, indent=1))
+    os.replace(tmp, argv[1])
+    return 0
+
+
+class EvalRunner:
+    """Evaluation children: at most one in the background; ``final`` runs in the foreground."""
+
+    def __init__(self, out: Path, target: str, prompts: list[list[int]], *, max_tokens: int, ngram_k: int,
+                 kv_cache_mb: int):
+        self.dir = out / "evals"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.base = {"target": target, "prompts": prompts, "max_tokens": max_tokens, "ngram_k": ngram_k,
+                     "engine_kwargs": {"kv_cache_memory_bytes": kv_cache_mb << 20, "max_model_len": 1024,
+                                       "enforce_eager": True}, "threads": 1}
+        self.proc: subprocess.Popen | None = None
+        self.proc_step: int | None = None
+        self.results: list[dict[str, Any]] = []
+        self.skipped: list[int] = []
+
+    def _spawn(self, step: int, drafters: dict[str, dict[str, Any]], baseline: bool) -> tuple[subprocess.Popen, Path]:
+        job = {**self.base, "drafters": drafters, "baseline": baseline, "step": step}
+        jp, rp = self.dir / f"job-{step}.json", self.dir / f"result-{step}.json"
+        jp.write_text(json.dumps(job))
+        logf = open(self.dir / f"eval-{step}.log", "w")  # noqa: SIM115 - lives as long as the child
+        proc = subprocess.Popen([sys.executable, "-m", "layertap.pipeline.evaluate", str(jp), str(rp)],
+                                stdout=logf, stderr=subprocess.STDOUT)
+        logf.close()
+        return proc, rp
+
+    def submit(self, step: int, drafters: dict[str, dict[str, Any]]) -> bool:
+        """Start a background evaluation of this step's export; skipped (and noted) while one runs."""
+        self.collect()
+        if self.proc is not None:
+            self.skipped.append(step)
+            return False
+        self.proc, _ = self._spawn(step, drafters, baseline=False)
+        self.proc_step = step
+        return True
+
+    def collect(self, wait: bool = False) -> None:
+        if self.proc is None or (not wait and self.proc.poll() is None):
+            return
+        rc = self.proc.wait()
+        step, self.proc, self.proc_step = self.proc_step, None, None
+        rp = self.dir / f"result-{step}.json"
+        if rc != 0 or not rp.exists():
+            raise RuntimeError(f"evaluation of step {step} failed (exit {rc}); see {self.dir}/eval-{step}.log")
+        self.results.append(json.loads(rp.read_text()))
+
+    def final(self, step: int, drafters: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """Plain + ngram + drafter, in the foreground; waits for a background evaluation first."""
+        self.collect(wait=True)
+        proc, rp = self._spawn(step, drafters, baseline=True)
+        self.proc, self.proc_step = proc, None
+        rc = proc.wait()
+        self.proc = None
+        if rc != 0 or not rp.exists():
+            raise RuntimeError(f"final evaluation failed (exit {rc}); see {self.dir}/eval-{step}.log")
+        res = json.loads(rp.read_text())
+        self.results.append(res)
+        return res
+
+    def close(self, timeout: float = 20.0) -> None:
+        """Stop a running child and its vLLM engine process (SIGTERM, then SIGKILL): nothing outlives the run."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        stop_tree(proc.pid, timeout)
+
+
+def stop_tree(pid: int, timeout: float) -> None:
+    """SIGTERM ``pid`` and its descendants (listed before signalling), SIGKILL what is left after ``timeout``."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    for p in alive:
+        log.error("process %d ignored SIGTERM for %.0fs; killing it", p.pid, timeout)
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs(alive, timeout=5)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    sys.exit(main(sys.argv[1:]))

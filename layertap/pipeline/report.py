@@ -1,0 +1,89 @@
+"""The run report: ``report.json`` (everything), ``report.md`` (acceptance table, rates, idle fraction)
+and ``report.png`` (loss, teacher-forced accuracy per draft position, served acceptance vs step)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from layertap.pipeline.config import PipelineConfig
+
+
+def acceptance_table(final: dict[str, Any]) -> str:
+    """Markdown table from ``run_eval``'s results (vLLM's own counters)."""
+    rows = ["| drafter | mean acceptance length | per-position acceptance | drafts | outputs == plain |",
+            "|---|---|---|---|---|"]
+    for r in final.get("results", []):
+        pos = " ".join(f"{p:.2f}" for p in r["per_pos"])
+        same = {True: "yes", False: f"no ({len(r['mismatches'])} differ)", None: "-"}[r.get("outputs_match_plain")]
+        rows.append(f"| {r['name']} | {r['mean_acceptance_length']:.3f} | {pos} | {r['drafts']} | {same} |")
+    return "\n".join(rows)
+
+
+def rates_table(rates: dict[str, Any]) -> str:
+    rows = ["| measure | value |", "|---|---|"]
+    rows += [f"| {k} | {v} |" for k, v in rates.items()]
+    return "\n".join(rows)
+
+
+def curve(evals: list[dict[str, Any]], name: str) -> list[tuple[int, float]]:
+    pts = []
+    for e in evals:
+        for r in e.get("results", []):
+            if r["name"] == name:
+                pts.append((int(e["step"]), float(r["mean_acceptance_length"])))
+    return sorted(set(pts))
+
+
+def plot(path: Path, history: list[dict[str, Any]], evals: list[dict[str, Any]], kind: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless
+    import matplotlib.pyplot as plt
+
+    from layertap.train.metrics import _smooth
+
+    steps = [m["step"] for m in history]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot(steps, [m["loss"] for m in history])
+    axes[0].set_yscale("log"), axes[0].set_xlabel("step"), axes[0].set_title("training loss")
+    for j in range(len(history[0]["acc"]) if history else 0):
+        axes[1].plot(steps, _smooth([m["acc"][j] for m in history]), label=f"pos {j}")
+    axes[1].set_ylim(0, 1), axes[1].set_xlabel("step"), axes[1].set_title("teacher-forced accuracy")
+    axes[1].legend(fontsize=7)
+    pts = curve(evals, kind)
+    if pts:
+        axes[2].plot([s for s, _ in pts], [a for _, a in pts], "o-", label=kind)
+    for s, a in curve(evals, "ngram"):
+        axes[2].axhline(a, color="gray", linestyle="--", label="ngram")
+    axes[2].set_xlabel("step"), axes[2].set_title("mean acceptance length in vLLM"), axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(out: Path, cfg: PipelineConfig, plan: Any, tr: Any, rates: Any, evals: Any,
+                 final: dict[str, Any], *, wall_s: float, checkpoint: Path) -> dict[str, Any]:
+    r = rates.summary()
+    rep = {
+        "drafter": cfg.drafter, "target": plan.target, "layers": plan.layers, "mode": plan.mode,
+        "transport": cfg.capture.transport, "steps": tr.step, "inputs_trained": len(tr.tcfg.extra["consumed"]),
+        "wall_s": round(wall_s, 1), "rates": r, "rejected": rates.rejected, "retried": rates.retried,
+        "acceptance": final, "acceptance_curve": evals.results, "evals_skipped": evals.skipped,
+        "checkpoint": str(checkpoint), "export": str(out / "exports" / "final"),
+        "final_loss": tr.log.history[-1]["loss"] if tr.log.history else None,
+    }
+    (out / "report.json").write_text(json.dumps(rep, indent=1, default=str))
+    plot(out / "report.png", tr.log.history, evals.results, cfg.drafter)
+    md = [f"# layertap train: {cfg.drafter}", "",
+          f"target `{plan.target}`, layers {plan.layers}, {plan.mode} mode, transport {cfg.capture.transport}; "
+          f"{tr.step} steps over {rep['inputs_trained']} inputs in {rep['wall_s']} s wall.", "",
+          "## Acceptance in vLLM (held-out prompts, greedy)", "",
+          acceptance_table(final) if final else "(evaluation disabled)", "",
+          "## Producer / consumer", "", rates_table(r), "",
+          "Idle fraction = time the trainer waited for a record / time since the first record "
+          "(the engine's start-up wait is reported apart).", "",
+          "![curves](report.png)", ""]
+    (out / "report.md").write_text("\n".join(md))
+    return rep

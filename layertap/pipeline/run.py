@@ -1,0 +1,162 @@
+"""``layertap train``: capture from a live vLLM engine, train a drafter online, evaluate, export, report.
+
+    plan -> trainer (fresh, or the checkpoint on --resume) -> manager.start() (engine in a producer thread)
+         -> train loop (checkpoint every N steps with the consumed input indices; background evals)
+         -> close engine -> export -> final evaluation (plain, ngram, drafter) -> report
+
+Everything started here is stopped in ``finally`` on success, error and Ctrl-C: the producer thread, the
+engine core, the shm pool, evaluation children. A resumed run captures only the inputs whose records
+no optimizer step has consumed yet (the checkpoint lists them), so no sample is trained on twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from layertap.pipeline.build import Plan, make_plan, new_trainer, sampling_params, tap_factory
+from layertap.pipeline.config import PipelineConfig, from_dict
+from layertap.pipeline.evaluate import EvalRunner
+from layertap.pipeline.manager import InferenceManager
+from layertap.records import Record
+
+log = logging.getLogger("layertap")
+
+RUN_CONFIG = "run_config.json"
+PROGRESS = "progress.json"
+
+
+class RunExists(FileExistsError):
+    """``--out`` already holds a run; resume it or choose another directory."""
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def load_run_config(out: Path) -> PipelineConfig:
+    p = out / RUN_CONFIG
+    if not p.exists():
+        raise FileNotFoundError(f"--resume: {out} holds no {RUN_CONFIG}; was it started by `layertap train`?")
+    return from_dict(json.loads(p.read_text()))
+
+
+def _trainer(cfg: PipelineConfig, plan: Plan, out: Path, resume: bool) -> Any:
+    from layertap.train.trainer import CKPT, Trainer
+
+    ckpt = out / CKPT
+    if resume and ckpt.exists():
+        tr = Trainer.load(ckpt)
+        print(f"resumed at step {tr.step}: {len(tr.tcfg.extra['consumed'])} inputs already trained on", flush=True)
+        return tr
+    if resume:
+        print(f"no checkpoint in {out} yet: starting from step 0", flush=True)
+    return new_trainer(cfg, plan, out)
+
+
+class Loop:
+    """The train loop over a record stream: steps, checkpoints with consumed indices, eval triggers."""
+
+    def __init__(self, cfg: PipelineConfig, tr: Any, out: Path, evals: EvalRunner | None):
+        self.cfg, self.tr, self.out, self.evals = cfg, tr, out, evals
+        self.consumed: set[int] = set(tr.tcfg.extra.get("consumed", []))
+        self.pulled: list[int] = []
+
+    def _tracked(self, records: Iterator[Record]) -> Iterator[Record]:
+        for rec in records:
+            self.pulled.append(rec.index)
+            yield rec
+
+    def run(self, records: Iterator[Record]) -> None:
+        from layertap.train.data import batches
+
+        tr, t = self.tr, self.cfg.train
+        aux, last = tr._layer_ids()
+        t0 = time.monotonic()
+        for b, _ in batches(self._tracked(records), t.batch_size, aux, last, t.max_len):
+            if tr.step >= tr.tcfg.max_steps:
+                break
+            m = tr.train_step(b)
+            # Every record pulled so far is in this batch (or was skipped as too short): consumed.
+            self.consumed.update(self.pulled)
+            self.pulled.clear()
+            tr.records_seen = len(self.consumed)
+            m["step"], m["tok_per_s"] = tr.step, m["tokens"] / max(time.monotonic() - t0, 1e-9)
+            t0 = time.monotonic()
+            tr.log.add(m, echo=tr.step % t.log_every == 0 or tr.step == 1)
+            _write_json(self.out / PROGRESS, {"step": tr.step, "consumed": len(self.consumed)})
+            if t.save_every and tr.step % t.save_every == 0:
+                self.save()
+            if self._eval_due():
+                self.evals.submit(tr.step, export_step(self.cfg, tr, self.out, f"step-{tr.step}"))
+
+    def _eval_due(self) -> bool:
+        every, step = self.cfg.eval.every, self.tr.step
+        # The last step is evaluated by the final (foreground) evaluation, with the baselines.
+        return self.evals is not None and every > 0 and step % every == 0 and step < self.tr.tcfg.max_steps
+
+    def save(self) -> Path:
+        self.tr.tcfg.extra["consumed"] = sorted(self.consumed)
+        return self.tr.save()
+
+
+def export_step(cfg: PipelineConfig, tr: Any, out: Path, name: str) -> dict[str, dict[str, Any]]:
+    """Export the trainer's current weights (via a checkpoint file) and return ``{kind: speculative_config}``."""
+    from layertap.drafters.export import export, speculative_config
+
+    ckpt = tr.save(out / "exports" / f"{name}.pt")
+    d = export(ckpt, out / "exports" / name)
+    ckpt.unlink()
+    return {cfg.drafter: speculative_config(d, cfg.eval.num_spec if cfg.drafter == "eagle3" else None)}
+
+
+def run(cfg: PipelineConfig, *, resume: bool = False) -> dict[str, Any]:
+    """One ``layertap train`` run; returns the report dict (also written to OUT/report.json/.md)."""
+    import torch
+
+    from layertap.pipeline.report import write_report
+    from layertap.train.trainer import CKPT
+
+    out = Path(cfg.out)
+    if not resume and (out / CKPT).exists():
+        raise RunExists(f"{out} already holds a run ({CKPT}); pass --resume to continue it or choose a new --out")
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / RUN_CONFIG, cfg.to_dict())
+    if cfg.train.threads or cfg.train.device == "cpu":
+        torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 2) // 2))
+    wall0 = time.monotonic()
+    plan = make_plan(cfg)
+    tr = _trainer(cfg, plan, out, resume)
+    loop = Loop(cfg, tr, out, None)
+    evals = EvalRunner(out, plan.target, plan.eval_prompts, max_tokens=cfg.eval.max_tokens,
+                       ngram_k=cfg.eval.ngram_k, kv_cache_mb=cfg.eval.kv_cache_mb)
+    loop.evals = evals if cfg.eval.enabled else None
+    mgr = InferenceManager(tap_factory(cfg, plan, out), plan.items, mode=plan.mode,
+                           sampling_params=sampling_params(plan), skip=loop.consumed,
+                           queue_records=cfg.capture.queue_records)
+    print(f"layertap train: {cfg.drafter} on {plan.target}; {len(mgr.items)} inputs to capture "
+          f"({len(loop.consumed)} already trained on), layers {plan.layers}, {cfg.capture.transport}", flush=True)
+    try:
+        try:
+            mgr.start()
+            loop.run(mgr.records())
+        finally:
+            mgr.close()  # engine down and transport freed before evaluation engines start
+        if tr.step == 0:
+            raise RuntimeError(f"no optimizer step ran: {mgr.rates.consumed} records arrived "
+                               f"({len(mgr.rates.rejected)} inputs rejected)")
+        ckpt = loop.save()
+        tr.finish()
+        drafters = export_step(cfg, tr, out, "final")
+        final = evals.final(tr.step, drafters) if cfg.eval.enabled else {}
+        return write_report(out, cfg, plan, tr, mgr.rates, evals, final, wall_s=time.monotonic() - wall0,
+                            checkpoint=ckpt)
+    finally:
+        evals.close()
