@@ -9,6 +9,7 @@ target, bundled sample conversations, layers chosen for the drafter).
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,6 +144,30 @@ def _check_keys(cls: type, d: dict[str, Any], where: str) -> None:
                          f"valid keys{' under ' + where.rstrip('.') if where else ''}: {', '.join(names)}")
 
 
+def _coerce(typ: Any, val: Any, name: str) -> Any:
+    """Check ``val`` against the field type (ints widen to float); raise naming the key otherwise."""
+    opts = typing.get_args(typ) if typing.get_origin(typ) in (typing.Union, types.UnionType) else (typ,)
+    for t in opts:
+        if t is type(None) and val is None:
+            return None
+        origin = typing.get_origin(t) or t
+        if origin is float and isinstance(val, (int, float)) and not isinstance(val, bool):
+            return float(val)
+        if origin is int and isinstance(val, int) and not isinstance(val, bool):
+            return val
+        if origin is list and isinstance(val, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in val):
+            return val
+        if origin in (str, bool, dict) and isinstance(val, origin):
+            return val
+    raise ValueError(f"{name} must be {typ}, got {val!r}")
+
+
+def _build(cls: type, d: dict[str, Any], where: str) -> Any:
+    _check_keys(cls, d, where)
+    hints = typing.get_type_hints(cls)
+    return cls(**{k: _coerce(hints[k], v, where + k) for k, v in d.items()})
+
+
 def from_dict(d: dict[str, Any]) -> PipelineConfig:
     """Build a config from a nested mapping; unknown keys raise ``ValueError`` naming them."""
     if not isinstance(d, dict):
@@ -153,9 +178,11 @@ def from_dict(d: dict[str, Any]) -> PipelineConfig:
         sec = kw.get(name) or {}
         if not isinstance(sec, dict):
             raise ValueError(f"config section {name!r} must be a mapping, got {type(sec).__name__}")
-        _check_keys(cls, sec, name + ".")
-        kw[name] = cls(**sec)
-    return PipelineConfig(**kw)
+        kw[name] = _build(cls, sec, name + ".")
+    top = {k: v for k, v in kw.items() if k not in _SECTIONS}
+    hints = typing.get_type_hints(PipelineConfig)
+    top = {k: _coerce(hints[k], v, k) for k, v in top.items()}
+    return PipelineConfig(**{**kw, **top})
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
