@@ -1,0 +1,130 @@
+"""``layertap train`` end to end on the embedded default (tiny trained target, bundled conversations,
+EAGLE-3, shm, CPU vLLM), on a small subset:
+
+1. a run is interrupted with Ctrl-C (SIGINT to its process group) once records flow and a checkpoint
+   exists: it exits 130 within a bound, leaves no process and no ``layertap-*`` shared memory behind;
+2. ``--resume`` continues it from the checkpoint, captures only the inputs no step consumed, trains to
+   the end, evaluates in vLLM and writes the report (acceptance table, rates, idle fraction, PNG).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+pytestmark = pytest.mark.engine
+
+N_INPUTS, BATCH = 40, 4
+SMALL = ["--set", f"capture.limit={N_INPUTS}", "--set", "capture.epochs=1", "--set", "capture.max_tokens=32",
+         "--set", f"train.batch_size={BATCH}", "--max-steps", str(N_INPUTS // BATCH), "--set", "train.save_every=2",
+         "--set", "eval.every=0", "--set", "eval.num_prompts=4", "--set", "eval.max_tokens=16"]
+
+
+def _cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "layertap", "train", *args]
+
+
+def _shm() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("layertap-")}
+
+
+def _wait(pred, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited ({proc.returncode}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.2)
+
+
+def _progress(out: Path) -> dict:
+    try:
+        return json.loads((out / "progress.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _ckpt_consumed(out: Path) -> list[int]:
+    sd = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)
+    return list(sd["train_config"]["extra"]["consumed"])
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """Run 1, interrupted by SIGINT after the first checkpoint; returns (out, rc, seconds, leftovers, shm)."""
+    out = tmp_path_factory.mktemp("pipeline") / "run"
+    shm_before = _shm()
+    log = open(out.parent / "run1.log", "w")
+    proc = subprocess.Popen(_cmd("--out", str(out), *SMALL), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        _wait(lambda: _progress(out).get("step", 0) >= 3 and (out / "checkpoint.pt").exists(), 240,
+              "records to flow and a checkpoint", proc)
+        kids = psutil.Process(proc.pid).children(recursive=True)
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        rc = proc.wait(timeout=90)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    gone = psutil.wait_procs(kids, timeout=10)[1]
+    left = [f"{p.pid} {p.name()}" for p in gone if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for p in gone:
+        p.kill()
+    return out, rc, took, left, _shm() - shm_before
+
+
+def test_sigint_exits_cleanly(interrupted):
+    out, rc, took, left, shm = interrupted
+    log = (out.parent / "run1.log").read_text()
+    assert rc == 130, log[-3000:]
+    assert took < 60, f"took {took:.1f}s to stop"
+    assert not left, f"processes left behind: {left}"
+    assert not shm, f"shared memory left behind: {shm}"
+    assert "interrupted" in log
+
+
+@pytest.fixture(scope="module")
+def resumed(interrupted):
+    out = interrupted[0]
+    before = _ckpt_consumed(out)
+    res = subprocess.run(_cmd("--out", str(out), "--resume"), capture_output=True, text=True, timeout=420)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return out, before, json.loads((out / "report.json").read_text()), res.stdout
+
+
+def test_resume_feeds_each_input_once(resumed):
+    out, before, rep, _ = resumed
+    assert before and len(before) % BATCH == 0, before
+    assert rep["rates"]["submitted"] == N_INPUTS - len(before)  # consumed inputs were not captured again
+    after = _ckpt_consumed(out)
+    assert sorted(after) == list(range(N_INPUTS)), after
+    assert rep["steps"] == N_INPUTS // BATCH
+
+
+def test_report_has_acceptance_and_rates(resumed):
+    out, _, rep, stdout = resumed
+    names = [r["name"] for r in rep["acceptance"]["results"]]
+    assert names == ["ngram", "eagle3"]
+    assert all(r["outputs_match_plain"] for r in rep["acceptance"]["results"])  # greedy spec decode is lossless
+    for k in ("producer_records_per_s", "consumer_records_per_s", "producer_tokens_per_s", "trainer_idle_fraction"):
+        assert k in rep["rates"]
+    assert 0.0 <= rep["rates"]["trainer_idle_fraction"] <= 1.0
+    md = (out / "report.md").read_text()
+    assert "| eagle3 |" in md and "trainer_idle_fraction" in md
+    assert (out / "report.png").stat().st_size > 10_000
+    assert (out / "exports" / "final" / "config.json").exists()
+    assert "mean acceptance length" in stdout
