@@ -202,12 +202,15 @@ class _SchedulerSide:
         if params is None:
             tp = request.kv_transfer_params or {}
             params = tp.get(PARAMS_KEY) if isinstance(tp, dict) else None
+        if params is None and self.c._extra.get("capture_all"):
+            params = {}  # `layertap serve --capture-all`: every request is captured (pipeline/serve.py)
         if params is None:
             return False, None  # not a capture request
         all_ids, n_prompt, n_computed, aborted, _ = compat.finished_request_state(request)
         if aborted or n_computed == 0:
             return False, {PARAMS_KEY: {"status": "aborted"}}
-        mode = params.get("mode", "prompt")
+        # `layertap serve` sets default_mode "generate" (prompt + answer rows); the Tap always sends a mode.
+        mode = params.get("mode", self.c._extra.get("default_mode", "prompt"))
         # Rows exist for tokens that ran through the model. The last sampled token never did; after a
         # preemption vLLM may count the dummy draft slot as computed, so clip to the tokens that ran.
         n_rows = min(n_computed, n_prompt if mode == "prompt" else len(all_ids) - 1)
