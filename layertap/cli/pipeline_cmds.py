@@ -40,6 +40,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its last checkpoint (its saved config; inputs already "
                    "trained on are not captured again)")
+    p.add_argument("--ray-engines", type=int, default=None, metavar="N",
+                   help="scale out with Ray: N engine actors feed one trainer actor over Mooncake (needs ray, "
+                   "--transport mooncake and --set capture.mooncake_master=HOST:PORT; joins RAY_ADDRESS if set, "
+                   "else starts a local cluster; training only, no evaluation)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.set_defaults(func=_named_errors(_train), accepts_engine_flags=True)
 
@@ -59,6 +63,23 @@ def _named_errors(func: Any) -> Any:
             return 2
 
     return wrapped
+
+
+def _train_ray(cfg: Any, n: int) -> int:
+    import json
+
+    try:
+        import ray
+    except ImportError as e:
+        raise ValueError("--ray-engines needs `pip install ray`") from e
+    from layertap.pipeline.ray_runner import run_ray
+
+    ray.init(include_dashboard=False)
+    try:
+        print(json.dumps(run_ray(cfg, num_engines=n), indent=1))
+    finally:
+        ray.shutdown()
+    return 0
 
 
 def resolve_config(args: argparse.Namespace) -> Any:
@@ -99,6 +120,8 @@ def _train(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
+    if args.ray_engines:
+        return _train_ray(cfg, args.ray_engines)
     # SIGTERM takes the same clean path as Ctrl-C (KeyboardInterrupt unwinds every `finally`).
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
