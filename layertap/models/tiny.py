@@ -61,7 +61,7 @@ class TinySpec:
             )
 
 
-def _corpus_files(limit_bytes: int = 4_000_000) -> list[str]:
+def corpus_files(limit_bytes: int = 4_000_000) -> list[str]:
     """Python standard library sources, sorted, up to ``limit_bytes`` (deterministic)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files, total = [], 0
@@ -90,7 +90,7 @@ def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 2048):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train(_corpus_files(), trainer)
+    tok.train(corpus_files(), trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from layertap.models.tiny import (
     TinySpec,
-    _corpus_files,
+    corpus_files,
     build_tokenizer,
     default_cache_dir,
     hf_config,
@@ -71,7 +71,7 @@ def _spec_key(spec: TargetSpec) -> str:
 def chat_conversations(n: int, seed: int, *, max_lines: int = 12) -> list[list[dict[str, str]]]:
     """``n`` "continue this code" conversations cut from stdlib files, deterministic in ``seed``."""
     rng = random.Random(seed)
-    files = [Path(p).read_text(encoding="utf-8", errors="replace").splitlines() for p in _corpus_files()]
+    files = [Path(p).read_text(encoding="utf-8", errors="replace").splitlines() for p in corpus_files()]
     files = [f for f in files if len(f) > 2 * max_lines]
     out = []
     for _ in range(n):
