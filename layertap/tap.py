@@ -75,6 +75,13 @@ def _loss_spans(mask: list[int] | None) -> list[list[int]] | None:
     return spans
 
 
+def _engine_died(expect: dict, by_req: dict, queue: list) -> MissingRecords:
+    lost = sorted([it.index for it, _ in expect.values()] + [it.index for it in by_req.values()]
+                  + [it.index for it in queue])
+    return MissingRecords(f"the vLLM engine died; {len(lost)} inputs have no record: indices "
+                          f"{lost[:20]}{' ...' if len(lost) > 20 else ''}")
+
+
 class Tap:
     """A vLLM ``LLM`` with capture of the given layer ids; see the module docstring."""
 
@@ -120,6 +127,7 @@ class Tap:
         else:
             self.source = self.transport_cls.make_source(self.transport_cfg, copy=not zero_copy)
         self.llm = self._start_engine(engine_kwargs, on_cuda)
+        self._watch = compat.watch_engine_death(self.llm)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.rejected: list[Rejected] = []
         self._checked = 0
@@ -223,7 +231,13 @@ class Tap:
                 by_req[rid] = it
                 running += 1
             if running:
-                for out in engine.step():
+                try:
+                    outs = engine.step()
+                except Exception as e:
+                    if compat.engine_dead(self.llm):
+                        raise _engine_died(expect, by_req, queue) from e
+                    raise
+                for out in outs:
                     if not out.finished:
                         continue
                     running -= 1
@@ -240,8 +254,7 @@ class Tap:
                 last_progress = time.monotonic()
                 yield rec
             if compat.engine_dead(self.llm):
-                raise MissingRecords(f"the vLLM engine died; {len(expect) + running + len(queue)} requests have no "
-                                     "record: " + ", ".join(f"index {it.index}" for it, _ in list(expect.values())[:10]))
+                raise _engine_died(expect, by_req, queue)
             if not running and expect and time.monotonic() - last_progress > self.record_timeout:
                 raise MissingRecords(f"{len(expect)} records never arrived within {self.record_timeout:.0f}s: "
                                      + ", ".join(f"index {it.index} ({k})" for k, (it, _) in list(expect.items())[:10]))
@@ -301,6 +314,8 @@ class Tap:
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
+        if getattr(self, "_watch", None) is not None:
+            self._watch.set()
         if llm is not None:
             try:
                 llm.llm_engine.engine_core.shutdown()

