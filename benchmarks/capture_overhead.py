@@ -99,7 +99,8 @@ def bench_capture(model, data, args) -> dict[int, float]:
     try:
         inputs = [{"token_ids": ids} for ids in data]
         tap.max_inflight = max(args.batch_sizes)
-        n = sum(1 for _ in tap.capture(inputs[: max(args.batch_sizes)]))  # warm-up
+        for rec in tap.capture(inputs[: max(args.batch_sizes)]):  # warm-up
+            rec.release()
         for b in args.batch_sizes:
             tap.max_inflight = b
             t0 = time.perf_counter()

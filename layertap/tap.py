@@ -32,7 +32,7 @@ from layertap.data import InputItem, load_inputs
 from layertap.engine import compat
 from layertap.engine.connector import PARAMS_KEY
 from layertap.records import LAYER_SEMANTICS, Record, token_digest
-from layertap.transport.base import get_transport
+from layertap.transport.base import TransportFull, get_transport
 from layertap.targetinfo import TargetInfo
 
 log = logging.getLogger("layertap")
@@ -99,6 +99,8 @@ class Tap:
         self.post_norm_last = post_norm_last
         """Analysis API: apply the model's final norm to layer id N in ``generate`` results."""
         self.record_timeout = record_timeout
+        self.stall_timeout = 10.0
+        """Seconds the transport may stay full with nothing in flight before ``TransportFull`` is raised."""
         self.max_inflight = max_inflight
         self.run = uuid.uuid4().hex[:8]
         on_cuda = torch.cuda.is_available()
@@ -218,6 +220,7 @@ class Tap:
         expect: dict[str, tuple[InputItem, list[int]]] = {}  # record key -> (item, expected token ids)
         early: dict[str, Record] = {}  # records can commit before their RequestOutput is processed
         running = 0
+        stall_since: float | None = None
         last_progress = time.monotonic()
         while queue or running or expect:
             while queue and self._can_admit(running, len(expect)):
@@ -255,6 +258,19 @@ class Tap:
                 yield rec
             if compat.engine_dead(self.llm):
                 raise _engine_died(expect, by_req, queue)
+            stalled = queue and not running and not expect and not early and not self._can_admit(0, 0)
+            if not stalled:
+                stall_since = None
+            elif stall_since is None:
+                stall_since = time.monotonic()
+                time.sleep(0.01)
+            elif time.monotonic() - stall_since < self.stall_timeout:
+                time.sleep(0.01)  # another thread may still release records
+            else:
+                raise TransportFull(
+                    f"the {self.transport_name} transport has no free capacity and nothing is in flight: records "
+                    "already yielded still hold it. Call rec.release() when done with a zero-copy record "
+                    f"(or use zero_copy=False); {len(queue)} inputs are waiting")
             if not running and expect and time.monotonic() - last_progress > self.record_timeout:
                 raise MissingRecords(f"{len(expect)} records never arrived within {self.record_timeout:.0f}s: "
                                      + ", ".join(f"index {it.index} ({k})" for k, (it, _) in list(expect.items())[:10]))

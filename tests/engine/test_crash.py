@@ -44,3 +44,23 @@ def test_kill_engine_mid_capture_names_the_failure_and_leaks_nothing():
     while segments() - before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not segments() - before, f"leaked shm segments: {segments() - before}"
+
+
+def test_zero_copy_records_never_released_fail_loudly_not_hang():
+    from layertap.transport.base import TransportFull
+
+    before = segments()
+    with Tap(model=tiny_model("qwen3"), layers=[1, 4], **BASE, max_num_seqs=4, zero_copy=True,
+             transport_config={"num_slots": 2, "slot_bytes": 1 << 20}) as tap:
+        tap.stall_timeout = 1.0
+        held = []
+        with pytest.raises(TransportFull, match="rec.release"):
+            for rec in tap.capture(random_prompts(8, [20], seed=32)):
+                held.append(rec)  # never released: the 2-slot pool fills
+        assert len(held) == 2
+        for rec in held:
+            rec.release()
+        # Released: the same Tap goes on.
+        got = [r.index for r in tap.capture(random_prompts(3, [20], seed=33)) if not r.release()]
+        assert sorted(got) == [0, 1, 2]
+    assert not segments() - before
