@@ -30,7 +30,7 @@ def no_leaked_segments():
 
 @pytest.fixture
 def pool():
-    cfg = SHM.prepare({"slot_bytes": 64 << 10, "num_slots": 4, "put_timeout": 10})
+    cfg = SHM.prepare({"slot_bytes": 64 << 10, "num_slots": 4, "put_timeout": 10, "checksum": "crc32"})
     src = SHM.make_source(cfg)
     yield cfg, src
     src.close()
