@@ -132,6 +132,9 @@ class Tap:
         self._watch = compat.watch_engine_death(self.llm)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.rejected: list[Rejected] = []
+        self._stale_requests: set[str] = set()
+        self._stale_keys: set[str] = set()
+        self._abandoned_ids: set[str] = set()
         self._checked = 0
         self._n_req = 0
 
@@ -212,12 +215,30 @@ class Tap:
         return free is None or running + pending_records < free
 
     def _run(self, todo: list[InputItem], sp, mode: str) -> Iterator[Record]:
+        by_req: dict[str, InputItem] = {}
+        expect: dict[str, tuple[InputItem, list[int]]] = {}  # record key -> (item, expected token ids)
+        try:
+            yield from self._loop(todo, sp, mode, by_req, expect)
+        finally:
+            # Left early (the caller stopped iterating, or an error): abort what still runs and remember
+            # what belongs to this iteration, so a later capture on this Tap is not confused by it.
+            if by_req and self.llm is not None and not compat.engine_dead(self.llm):
+                self.llm.llm_engine.abort_request(list(by_req))
+            self._stale_requests.update(by_req)
+            self._abandoned_ids.update(by_req)
+            self._stale_keys.update(expect)
+
+    def _abandoned(self, rec: Record) -> bool:
+        # vLLM appends "-<8 hex>" to request ids; a record of a request that finished in the engine before
+        # the abort carries the internal id.
+        rid = str(rec.meta.get("request_id", ""))
+        return rid.rsplit("-", 1)[0] in self._abandoned_ids
+
+    def _loop(self, todo: list[InputItem], sp, mode: str, by_req: dict, expect: dict) -> Iterator[Record]:
         from vllm import TokensPrompt
 
         engine = self.llm.llm_engine
         queue = list(reversed(todo))
-        by_req: dict[str, InputItem] = {}
-        expect: dict[str, tuple[InputItem, list[int]]] = {}  # record key -> (item, expected token ids)
         early: dict[str, Record] = {}  # records can commit before their RequestOutput is processed
         running = 0
         stall_since: float | None = None
@@ -241,6 +262,10 @@ class Tap:
                         raise _engine_died(expect, by_req, queue) from e
                     raise
                 for out in outs:
+                    if out.request_id in self._stale_requests:  # from an abandoned earlier iteration
+                        if out.finished:
+                            self._stale_requests.discard(out.request_id)
+                        continue
                     if not out.finished:
                         continue
                     running -= 1
@@ -250,6 +275,10 @@ class Tap:
             for rec in self.source.poll(timeout=0.0 if running else 0.05):
                 if rec.meta.get("run") != self.run:
                     raise CaptureError(f"record {rec.key} (index {rec.index}) belongs to another run")
+                if rec.key in self._stale_keys or self._abandoned(rec):  # from an iteration the caller left
+                    self._stale_keys.discard(rec.key)
+                    rec.release()
+                    continue
                 early[rec.key] = rec
             for key in [k for k in early if k in expect]:
                 rec = early.pop(key)

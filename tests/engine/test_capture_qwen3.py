@@ -123,3 +123,12 @@ def test_conversations_carry_loss_masks(tap, model):
         assert r.token_ids.tolist() == ids
         assert r.loss_mask.tolist() == mask and sum(mask) > 0
     assert_all_match(recs, model)
+
+
+def test_leaving_a_capture_early_does_not_confuse_the_next(tap, model):
+    it = tap.capture(random_prompts(40, [100, 300], seed=9))
+    first = [next(it), next(it)]
+    it.close()  # the caller stops iterating with requests still in flight
+    recs = list(tap.capture(random_prompts(6, [50], seed=10)))
+    assert sorted(r.index for r in recs) == list(range(6))
+    assert_all_match(first + recs, model)
