@@ -4,12 +4,7 @@ contribute, and Ray's own processes, the master and the shared memory are gone a
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -20,21 +15,12 @@ pytest.importorskip("mooncake.store", reason="needs the mooncake extra (mooncake
 from layertap.pipeline.config import from_dict  # noqa: E402
 from layertap.pipeline.ray_runner import run_ray  # noqa: E402
 
+from tests.netutil import mooncake_master
+
 pytestmark = pytest.mark.engine
 
 N_INPUTS = 16
 RAY_PROCS = ("raylet", "gcs_server", "ray::", "dashboard", "plasma_store", "default_worker")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _ray_procs() -> list[str]:
@@ -48,20 +34,8 @@ def _ray_procs() -> list[str]:
 
 @pytest.fixture
 def master():
-    exe = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
-    rpc, metrics = _free_port(), _free_port()
-    proc = subprocess.Popen([exe, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}", "--metrics_host=127.0.0.1",
-                             f"--metrics_port={metrics}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 20
-        while not _listening(rpc):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"mooncake_master did not listen (exit {proc.poll()})")
-            time.sleep(0.1)
-        yield f"127.0.0.1:{rpc}"
-    finally:
-        proc.kill()
-        proc.wait(10)
+    with mooncake_master() as (addr, _, _):
+        yield addr
 
 
 def test_two_engines_feed_one_trainer(master, tmp_path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,13 +17,9 @@ from layertap.models.train_target import trained_target
 from layertap.records import token_digest
 from layertap.transport.file import load_records
 
+from tests.netutil import free_port
+
 pytestmark = pytest.mark.engine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
@@ -44,7 +39,7 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     out = tmp_path_factory.mktemp("served") / "ds"
-    port = _free_port()
+    port = free_port()
     log = open(out.parent / "serve.log", "w")
     cmd = [sys.executable, "-m", "layertap", "serve", "--model", str(trained_target()), "--layers", "1,2,3,4",
            "--out", str(out), "--port", str(port), "--max-model-len", "1024", "--enforce-eager",

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,35 +23,17 @@ from layertap.transport.base import PeerGone, TransportFull, get_transport  # no
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helper runs as a script too
 from transport_procs import expected_hidden, make_record, read_line, shm_entries, spawn, wait_for  # noqa: E402
 
+from tests.netutil import mooncake_master  # noqa: E402
+
 MC = get_transport("mooncake")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 @pytest.fixture
 def master():
     """A real master bound to loopback; yields (address, process, ports); killed at the end."""
-    exe = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
     before = shm_entries("") & {n for n in os.listdir("/dev/shm") if n.startswith(("mooncake", "layertap-"))}
-    rpc, metrics = free_port(), free_port()
-    proc = subprocess.Popen([exe, f"--rpc_address=127.0.0.1", f"--rpc_port={rpc}", "--metrics_host=127.0.0.1",
-                             f"--metrics_port={metrics}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for(lambda: listening(rpc) or proc.poll() is not None, 20, "mooncake_master to listen")
-        assert proc.poll() is None, f"mooncake_master exited {proc.returncode}"
-        yield f"127.0.0.1:{rpc}", proc, (rpc, metrics)
-    finally:
-        proc.kill()
-        proc.wait(10)
+    with mooncake_master() as started:
+        yield started
     after = {n for n in os.listdir("/dev/shm") if n.startswith(("mooncake", "layertap-"))}
     assert after <= before, f"leaked /dev/shm entries: {after - before}"
 
