@@ -4,6 +4,14 @@ through an HF transformers second pass (what users do without layertap). One pro
 Prints tokens/s of each and the ratios, per in-flight batch size. Records must be complete when the
 capture call returns: they are counted (and each one's token digest proven by the Tap).
 
+Variants (``--variants``; the ratio column is ``capture`` over ``plain``, the others explain the gap):
+    plain           vLLM as users run it (its default scheduling)
+    plain-sync      vLLM with async_scheduling=False (what capture runs with by default on vLLM 0.25/CUDA)
+    floor           vLLM's extract_hidden_states + the layertap connector, reading no rows (vLLM's own cost)
+    capture         layertap capture, records written in place in the shm pool (the default)
+    capture-staged  layertap capture, rows staged through a pinned buffer, then copied into the pool
+    capture-async   layertap capture with async_scheduling=True (allowed for prompt mode)
+
     python benchmarks/capture_overhead.py                       # CPU: tiny model, small workload
     python benchmarks/capture_overhead.py --hidden 2048 --num-layers 16 --prompts 256 --prompt-len 1024 \
         --batch-sizes 1,4,16,64 --dtype bfloat16                # GPU (see scripts/gpu_check.sh)
@@ -57,6 +65,8 @@ def engine_kwargs(args) -> dict:
     kw = dict(dtype=args.dtype, max_model_len=args.prompt_len + 8, max_num_seqs=max(args.batch_sizes),
               max_num_batched_tokens=max(args.max_num_batched_tokens, args.prompt_len),
               enable_prefix_caching=False, enforce_eager=args.eager)
+    if args.tp > 1:
+        kw["tensor_parallel_size"] = args.tp
     if torch.cuda.is_available():
         kw["gpu_memory_utilization"] = args.gpu_mem
     else:
@@ -72,22 +82,52 @@ def shutdown(llm) -> None:
         torch.cuda.empty_cache()
 
 
-def bench_plain(model, data, args) -> dict[int, float]:
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=str(model), **engine_kwargs(args))
-    sp = SamplingParams(max_tokens=1, temperature=0.0)
-    drive(llm.llm_engine, data[: max(args.batch_sizes)], max(args.batch_sizes), lambda i: sp)  # warm-up
+def _rates(engine, data, args, params_for) -> dict[int, float]:
+    drive(engine, data[: max(args.batch_sizes)], max(args.batch_sizes), params_for)  # warm-up
     out = {}
     for b in args.batch_sizes:
         t0 = time.perf_counter()
-        n = drive(llm.llm_engine, data, b, lambda i: sp)
+        n = drive(engine, data, b, params_for)
         out[b] = n / (time.perf_counter() - t0)
-    shutdown(llm)
     return out
 
 
-def bench_capture(model, data, args) -> dict[int, float]:
+def bench_plain(model, data, args, **extra) -> dict[int, float]:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(model), **engine_kwargs(args), **extra)
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    try:
+        return _rates(llm.llm_engine, data, args, lambda i: sp)
+    finally:
+        shutdown(llm)
+
+
+def bench_floor(model, data, args) -> dict[int, float]:
+    """extract_hidden_states + the connector, which reports every save done without reading a row."""
+    from vllm import LLM, SamplingParams
+
+    from layertap.engine import compat
+    from layertap.engine.connector import PARAMS_KEY
+
+    v = compat.check_version()
+    kw = {**compat.engine_defaults(v, torch.cuda.is_available(), {}), **engine_kwargs(args)}
+    extra = {"transport": {"backend": "shm"}, "run_meta": {}, "skip_reads": True}
+    llm = LLM(model=str(model), speculative_config=compat.speculative_config(args.layers),
+              kv_transfer_config=compat.kv_transfer_config(extra), **kw)
+
+    def params_for(i):
+        sp = SamplingParams(max_tokens=1, temperature=0.0)
+        sp.extra_args = {"kv_transfer_params": {PARAMS_KEY: {"index": i, "mode": "prompt", "run": "floor"}}}
+        return sp
+
+    try:
+        return _rates(llm.llm_engine, data, args, params_for)
+    finally:
+        shutdown(llm)
+
+
+def bench_capture(model, data, args, **extra) -> dict[int, float]:
     from layertap.tap import Tap
 
     out = {}
@@ -95,7 +135,7 @@ def bench_capture(model, data, args) -> dict[int, float]:
               transport_config={"slot_bytes": args.slot_mb << 20, "num_slots": args.shm_slots, "checksum": args.checksum}
               if args.transport == "shm" else None,
               out=args.out if args.transport == "file" else None, zero_copy=args.transport == "shm",
-              **engine_kwargs(args))
+              **engine_kwargs(args), **extra)
     try:
         inputs = [{"token_ids": ids} for ids in data]
         tap.max_inflight = max(args.batch_sizes)
@@ -115,6 +155,16 @@ def bench_capture(model, data, args) -> dict[int, float]:
     finally:
         tap.close()
     return out
+
+
+VARIANTS = {
+    "plain": lambda m, d, a: bench_plain(m, d, a),
+    "plain-sync": lambda m, d, a: bench_plain(m, d, a, async_scheduling=False),
+    "floor": bench_floor,
+    "capture": lambda m, d, a: bench_capture(m, d, a),
+    "capture-staged": lambda m, d, a: bench_capture(m, d, a, connector_options={"direct": False}),
+    "capture-async": lambda m, d, a: bench_capture(m, d, a, async_scheduling=True),
+}
 
 
 @torch.no_grad()
@@ -171,24 +221,41 @@ def main() -> None:
     ap.add_argument("--out", default="/dev/shm/layertap-bench", help="file transport: dataset directory")
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel size of every vLLM engine")
+    ap.add_argument("--variants", type=lambda s: s.split(","), default=["plain", "capture"],
+                    help=f"comma-separated, from {list(VARIANTS)}; must include plain and capture")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF second pass")
     args = ap.parse_args()
     n = args.num_layers
     args.layers = args.layers or sorted({1, max(1, n // 2), max(1, n - 3), n})
+    for v in args.variants:
+        if v not in VARIANTS:
+            raise SystemExit(f"unknown variant {v!r}; expected some of {list(VARIANTS)}")
+    if "plain" not in args.variants or "capture" not in args.variants:
+        raise SystemExit("--variants must include plain and capture (the ratio is capture / plain)")
     model = build_model(args)
     data = prompts(args)
-    plain = bench_plain(model, data, args)
-    cap = bench_capture(model, data, args)
-    hf = bench_hf(model, data, args)
+    res = {}
+    for v in args.variants:
+        print(f"--- {v}", flush=True)
+        res[v] = VARIANTS[v](model, data, args)
+        print(f"--- {v}: " + ", ".join(f"{b}: {r:.0f} tok/s" for b, r in res[v].items()), flush=True)
+    hf = bench_hf(model, data, args) if not args.no_hf else float("nan")
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"\ncapture overhead on {dev}: {args.prompts} x {args.prompt_len}-token prefill, hidden {args.hidden}, "
           f"{n} layers, {args.dtype}, {'eager' if args.eager else 'compiled'}, layers {args.layers}, "
-          f"transport {args.transport}")
-    print(f"{'in-flight':>9} {'plain tok/s':>12} {'capture tok/s':>14} {'ratio':>6} {'vs HF':>6}")
+          f"transport {args.transport}, tensor parallel {args.tp}")
+    others = [v for v in args.variants if v not in ("plain", "capture")]
+    print(f"{'in-flight':>9} {'plain tok/s':>12} {'capture tok/s':>14} {'ratio':>6} {'vs HF':>6}"
+          + "".join(f" {v + ' (ratio)':>24}" for v in others))
     rows = []
     for b in args.batch_sizes:
-        r = {"batch": b, "plain": plain[b], "capture": cap[b], "ratio": cap[b] / plain[b], "vs_hf": cap[b] / hf}
+        plain, cap = res["plain"][b], res["capture"][b]
+        r = {"batch": b, "plain": plain, "capture": cap, "ratio": cap / plain, "vs_hf": cap / hf,
+             **{v: res[v][b] for v in others}}
         rows.append(r)
-        print(f"{b:>9} {plain[b]:>12.0f} {cap[b]:>14.0f} {r['ratio']:>6.2f} {r['vs_hf']:>5.1f}x")
+        print(f"{b:>9} {plain:>12.0f} {cap:>14.0f} {r['ratio']:>6.2f} {r['vs_hf']:>5.1f}x"
+              + "".join(f" {res[v][b]:>15.0f} ({res[v][b] / plain:.2f})" for v in others))
     print(f"HF transformers second pass (batch {args.hf_batch}, layers copied to host): {hf:.0f} tok/s")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": dev, "args": vars(args), "rows": rows, "hf": hf}, indent=1))

@@ -248,6 +248,7 @@ def _jobs(tap: "Tap", prompts: Any, sampling_params: Any) -> list[_Job]:
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     prompts = list(prompts)
+    tap.check_generate_allowed()
     if sampling_params is None:
         sampling_params = tap.llm.get_default_sampling_params()
     sps = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
@@ -287,7 +288,7 @@ def _loop(tap: "Tap", jobs: list[_Job], s: _Settings, lora_request: Any, priorit
                 if out.finished:
                     by_rid.pop(out.request_id).output = out
                     last_progress = time.monotonic()
-        for rec in tap.source.poll(timeout=0.0 if by_rid else 0.05):
+        for rec in tap.source.poll(timeout=0.0 if by_rid or queue else 0.05):
             _receive(rec, tap.run, owner, samples, s)
             last_progress = time.monotonic()
         if not by_rid and not queue and time.monotonic() - last_progress > tap.record_timeout:

@@ -147,40 +147,52 @@ _DTYPES = {
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
-def serialized_size(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> int:
-    header = _header(tensors, meta)
-    return 8 + len(header) + sum(t.numel() * t.element_size() for t in tensors.values())
+TensorSpec = tuple[torch.dtype, tuple[int, ...]]
+"""(dtype, shape) of a tensor that will be written into a reserved record (``layout``)."""
 
 
-def _header(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> bytes:
+def _spec(t: torch.Tensor | TensorSpec) -> TensorSpec:
+    return (t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else (t[0], tuple(t[1]))
+
+
+def layout(tensors: dict[str, torch.Tensor | TensorSpec], meta: dict[str, Any]) -> tuple[bytes, dict[str, tuple[int, int]], int]:
+    """The blob's prefix (length + header), each tensor's (start, nbytes) within the blob, and its total size.
+
+    Takes tensors or bare ``(dtype, shape)`` specs, so a producer can lay a record out before its data
+    exists and have the data written straight into place (``transport.shm`` reservations)."""
     hdr: dict[str, Any] = {"__metadata__": {"layertap": json.dumps(meta, sort_keys=True)}}
-    off = 0
+    off, spans = 0, {}
     for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        hdr[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + nbytes]}
+        dtype, shape = _spec(t)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+        hdr[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [off, off + nbytes]}
+        spans[name] = (off, nbytes)
         off += nbytes
     raw = json.dumps(hdr, separators=(",", ":")).encode()
-    return raw + b" " * (-len(raw) % 8)  # 8-byte alignment of the data section, as safetensors does
+    raw += b" " * (-len(raw) % 8)  # 8-byte alignment of the data section, as safetensors does
+    prefix = struct.pack("<Q", len(raw)) + raw
+    base = len(prefix)
+    return prefix, {k: (base + a, n) for k, (a, n) in spans.items()}, base + off
+
+
+def serialized_size(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> int:
+    return layout(tensors, meta)[2]
 
 
 def serialize_into(buf: memoryview, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> int:
     """Write the blob into ``buf`` (e.g. a shared-memory slot); returns the bytes written."""
-    header = _header(tensors, meta)
-    total = 8 + len(header) + sum(t.numel() * t.element_size() for t in tensors.values())
+    prefix, spans, total = layout(tensors, meta)
     if total > len(buf):
         raise ValueError(f"record needs {total} bytes but the buffer holds {len(buf)}")
-    buf[:8] = struct.pack("<Q", len(header))
-    buf[8 : 8 + len(header)] = header
-    pos = 8 + len(header)
-    for t in tensors.values():
-        nbytes = t.numel() * t.element_size()
+    buf[: len(prefix)] = prefix
+    for name, t in tensors.items():
+        pos, nbytes = spans[name]
         if nbytes:
             src = t.detach().contiguous().view(-1).view(torch.uint8)
             if src.device.type == "cpu":  # numpy's copy is a plain memcpy: ~13 GB/s vs ~1.5 for torch's here
                 np.copyto(np.frombuffer(buf[pos : pos + nbytes], dtype=np.uint8), src.numpy())
             else:
                 torch.frombuffer(buf[pos : pos + nbytes], dtype=torch.uint8).copy_(src)
-        pos += nbytes
     return total
 
 

@@ -161,6 +161,13 @@ class Tap:
             kw["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_BYTES
         extra = {"transport": self.transport_cfg, "run_meta": self.run_meta,
                  "slot_check_steps": kw.pop("slot_check_steps", 4)}
+        # Connector switches (e.g. {"direct": False}: stage rows through pinned buffers instead of writing
+        # them into transport memory in place); unknown keys are refused so a typo is not silently ignored.
+        opts = dict(kw.pop("connector_options", None) or {})
+        unknown = set(opts) - {"direct", "writer_queue"}
+        if unknown:
+            raise ValueError(f"unknown connector_options {sorted(unknown)}; known: direct, writer_queue")
+        extra.update(opts)
         kw.setdefault("disable_log_stats", False)
         return LLM(
             model=str(self.target.path),
@@ -168,6 +175,9 @@ class Tap:
             kv_transfer_config=compat.kv_transfer_config(extra),
             **kw,
         )
+
+    def check_generate_allowed(self) -> None:
+        compat.check_generate_allowed(self.version, torch.cuda.is_available(), compat.async_scheduling(self.llm))
 
     @property
     def tokenizer(self):
@@ -186,6 +196,8 @@ class Tap:
 
         if mode not in ("prompt", "generate"):
             raise ValueError(f"mode must be 'prompt' or 'generate', got {mode!r}")
+        if mode == "generate":
+            self.check_generate_allowed()
         items = load_inputs(inputs, self.tokenizer)
         if mode == "prompt":
             sp = SamplingParams(max_tokens=1, temperature=0.0)
@@ -272,7 +284,10 @@ class Tap:
                     it = by_req.pop(out.request_id)
                     expect.update(self._expected(out, it, mode))
                     last_progress = time.monotonic()
-            for rec in self.source.poll(timeout=0.0 if running else 0.05):
+            # Wait for records only when there is nothing else to do: no request running and none to admit
+            # (else a record in flight would hold up the next request's admission).
+            idle = not running and not (queue and self._can_admit(running, len(expect)))
+            for rec in self.source.poll(timeout=0.05 if idle else 0.0):
                 if rec.meta.get("run") != self.run:
                     raise CaptureError(f"record {rec.key} (index {rec.index}) belongs to another run")
                 if rec.key in self._stale_keys or self._abandoned(rec):  # from an iteration the caller left

@@ -3,7 +3,9 @@
 # network). vLLM 0.25.1 arrives as a bundle in two device runs (see ../shared/gpu.md and README "GPU").
 #   bash scripts/gpu_check.sh tests   # CUDA capture correctness (eager + compiled, bf16 vs HF), stream
 #                                      # safety, layer-0 bug detection, tensor parallel 2 if 2 GPUs
-#   bash scripts/gpu_check.sh bench   # capture overhead (hidden 2048, 16 layers, batch 1..64) + trainer MFU
+#   bash scripts/gpu_check.sh bench   # capture overhead (hidden 2048, 16 layers, batch 1..64; plain, capture and
+#                                      # the variants that explain the gap) + trainer MFU (SKIP_TRAIN_BENCH=1: skip)
+#   bash scripts/gpu_check.sh bench-tp2   # the overhead ratio with tensor parallel 2 (two GPUs)
 # Results and logs go to $OUT (the device tool's return folder) or ./gpu-results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,14 +30,21 @@ if [ "$phase" = tests ] || [ "$phase" = all ]; then
   python3 -m pytest -q -p no:cacheprovider -s tests/gpu ${GPU_TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|^(APIServer" | tail -60
   rc=${PIPESTATUS[0]}
 fi
+bench_args="--hidden 2048 --num-layers 16 --head-dim 128 --vocab 2048 --prompts 256 --prompt-len 1024 --dtype bfloat16 $bench_transport"
 if [ "$phase" = bench ] || [ "$phase" = all ]; then
-  python3 benchmarks/capture_overhead.py --hidden 2048 --num-layers 16 --head-dim 128 --vocab 2048 \
-    --prompts 256 --prompt-len 1024 --batch-sizes 1,4,16,64 --dtype bfloat16 $bench_transport \
-    --json "$OUT/capture_overhead.json" 2>&1 | tee "$OUT/capture_overhead.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING" | tail -12
+  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} python3 benchmarks/capture_overhead.py $bench_args --batch-sizes 1,4,16,64 \
+    --variants ${BENCH_VARIANTS:-plain,capture,capture-async,floor,plain-sync,capture-staged} \
+    --json "$OUT/capture_overhead.json" 2>&1 | tee "$OUT/capture_overhead.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING" | tail -14
   rc=$(( rc | PIPESTATUS[0] ))
-  if [ -f benchmarks/train_throughput.py ]; then
+  if [ -f benchmarks/train_throughput.py ] && [ -z "${SKIP_TRAIN_BENCH:-}" ]; then
     python3 benchmarks/train_throughput.py 2>&1 | tee "$OUT/train_throughput.log" | tail -8
     rc=$(( rc | PIPESTATUS[0] ))
   fi
+fi
+if [ "$phase" = bench-tp2 ] || { [ "$phase" = all ] && [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; }; then
+  python3 benchmarks/capture_overhead.py $bench_args --batch-sizes 1,16,64 --tp 2 --no-hf \
+    --variants ${BENCH_TP2_VARIANTS:-plain,capture,capture-async} \
+    --json "$OUT/capture_overhead_tp2.json" 2>&1 | tee "$OUT/capture_overhead_tp2.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING" | tail -10
+  rc=$(( rc | PIPESTATUS[0] ))
 fi
 exit $rc

@@ -180,12 +180,27 @@ def engine_defaults(v: str, on_cuda: bool, user_kwargs: dict[str, Any]) -> dict[
     token positions run ahead of the positions the worker writes (a rejected dummy draft is corrected on
     the GPU), and on the H200 the decode-step rows of generated tokens came back unwritten (zeros), while
     prompt rows were right. The first-steps slot check caught the position mismatch. Until that path is
-    proven, capture runs with synchronous scheduling there.
+    proven, capture runs with synchronous scheduling there by default; ``async_scheduling=True`` is
+    accepted for prompt-mode capture only (``check_generate_allowed``).
     """
     out: dict[str, Any] = {}
     if v.startswith("0.25") and on_cuda and "async_scheduling" not in user_kwargs:
         out["async_scheduling"] = False
     return out
+
+
+def async_scheduling(llm: Any) -> bool:
+    """Whether this engine schedules asynchronously (vLLM resolves the setting at start-up)."""
+    return bool(getattr(llm.llm_engine.vllm_config.scheduler_config, "async_scheduling", False))
+
+
+def check_generate_allowed(v: str, on_cuda: bool, is_async: bool) -> None:
+    """Generate mode (decode rows) is refused where decode rows are known to come back unwritten."""
+    if v.startswith("0.25") and on_cuda and is_async:
+        raise KnownVLLMBug(
+            f"vLLM {v} on CUDA with async scheduling leaves the rows of the last generated tokens unwritten; "
+            "generate mode needs a Tap started with async_scheduling=False (the default). Prompt mode is fine."
+        )
 
 
 def num_scheduled(scheduler_output: Any) -> dict[str, int]:

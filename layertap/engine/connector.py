@@ -48,7 +48,7 @@ from layertap.engine.cache_view import (
     slots_for,
     view_geometry,
 )
-from layertap.engine.gpu_gather import gather_to_host
+from layertap.engine.gpu_gather import gather_to_host, register_host, unregister_host
 from layertap.records import LAYER_SEMANTICS, token_digest
 from layertap.transport.base import get_transport
 
@@ -181,12 +181,21 @@ class _SchedulerSide:
                 checks.append(SlotCheck(rid, list(self.blocks[rid]), computed, computed + sched[rid]))
         cached = compat.cached_requests(out)
         # Decode steps (a token + the dummy draft) are checked too: their positions are where scheduler and
-        # worker can disagree (async scheduling), and the first steps of a run are often all prefill.
-        decoding = any(n_out > 0 and rid in sched for rid, _, _, _, n_out in cached)
-        want_decode_checks = decoding and self.decode_steps < self.c._check_steps
+        # worker can disagree (async scheduling), and the first steps of a run are often all prefill. Only
+        # requests that keep decode rows (generate mode) are checked there: a prompt-mode request's rows
+        # end with its prompt, whatever a late decode step writes after it.
+        def keeps_decode_rows(rid: str) -> bool:
+            params = self.params.get(rid)
+            mode = params.get("mode") if params is not None else None
+            return (mode or self.c._extra.get("default_mode", "prompt")) == "generate"
+
+        decoding = {rid for rid, _, _, _, n_out in cached if n_out > 0 and rid in sched}
+        want_decode_checks = any(map(keeps_decode_rows, decoding)) and self.decode_steps < self.c._check_steps
         for rid, new_blocks, resumed, computed, _ in cached:
             if new_blocks is not None and len(new_blocks) > g:
                 self.blocks[rid] = list(new_blocks[g]) if resumed else self.blocks.get(rid, []) + list(new_blocks[g])
+            if rid in decoding and not keeps_decode_rows(rid):
+                continue
             if (want_checks or want_decode_checks) and rid in sched:
                 checks.append(SlotCheck(rid, list(self.blocks.get(rid, [])), computed, computed + sched[rid]))
         self.steps += 1
@@ -247,6 +256,13 @@ class _WorkerSide:
         self.writer: threading.Thread | None = None
         self.stream = None
         self.checked = 0
+        # Records are laid out in transport memory and filled in place when the transport can (shm): on
+        # CUDA the device-to-host copy lands in the registered pool, no staging buffer, no host memcpy.
+        self.direct = bool(c._extra.get("direct", True)) and not self.compact_cfg
+        self.pinned_region: torch.Tensor | None = None
+        # Benchmark aid only (benchmarks/capture_overhead.py "floor"): saves are reported done without
+        # reading any row, which measures what vLLM's extract_hidden_states costs by itself.
+        self.skip_reads = bool(c._extra.get("skip_reads", False))
 
     # ---- set-up ----
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -271,9 +287,20 @@ class _WorkerSide:
         for lid in self.c._layer_ids:
             if not 0 <= lid <= self.n_layers:
                 raise CacheLayoutError(f"layer id {lid} outside 0..{self.n_layers}")
-        if self.rank0:
+        if self.rank0 and not self.skip_reads:
             writer_id = f"{socket.gethostname()}-{os.getpid()}"
             self.sink = get_transport(self.transport_cfg["backend"]).make_sink(self.transport_cfg, writer_id)
+            if view.is_cuda and self.direct and hasattr(self.sink, "data_region"):
+                region = self.sink.data_region()
+                err = register_host(region)
+                if err is None:
+                    self.pinned_region = region
+                    log.info("layertap worker: %d MiB of transport memory page-locked; rows go to it directly",
+                             region.numel() >> 20)
+                else:
+                    self.direct = False
+                    log.warning("layertap worker: cannot page-lock the transport memory (%s); staging rows "
+                                "through pinned buffers instead", err)
             self.writer = threading.Thread(target=self._write_loop, name="layertap-writer", daemon=True)
             self.writer.start()
 
@@ -318,43 +345,77 @@ class _WorkerSide:
                 done.add(rid)
         return done or None
 
+    def _record_layout(self, job: SaveJob) -> tuple[dict[str, tuple], dict[str, Any]]:
+        specs = {"token_ids": (torch.int64, (job.num_rows,)),
+                 "hidden_states": (self.view.dtype, (job.num_rows, self.geo.n_planes, self.geo.hidden))}
+        if job.meta.get("loss_spans") is not None:
+            specs["loss_mask"] = (torch.uint8, (job.num_rows,))
+        meta = {**self.run_meta, **job.meta, "dtype": str(self.view.dtype).removeprefix("torch.")}
+        return specs, meta
+
+    @staticmethod
+    def _fill_small(tensors: dict[str, torch.Tensor], job: SaveJob) -> None:
+        tensors["token_ids"].copy_(torch.tensor(job.token_ids, dtype=torch.int64))
+        if "loss_mask" in tensors:
+            tensors["loss_mask"].zero_()
+            for a, b in job.meta["loss_spans"]:
+                tensors["loss_mask"][a:b] = 1
+
     def _start_copy(self, job: SaveJob) -> None:
+        if self.skip_reads:
+            self.inflight[job.req_id] = None
+            return
         slots = slots_for(job.block_ids, self.c._block_size, 0, job.num_rows, request=job.req_id,
                           num_manager_blocks=self.num_manager_blocks)
         view = self.view
-        if view.is_cuda:
-            if self.stream is None:
-                self.stream = torch.cuda.Stream(device=view.device)
+        if view.is_cuda and self.stream is None:
+            self.stream = torch.cuda.Stream(device=view.device)
+        res = None
+        if self.direct:
+            specs, meta = self._record_layout(job)
+            res = self.sink.reserve(job.key, specs, meta)  # None: no free room right now -> staged path
+        if res is not None:
+            self._fill_small(res.tensors, job)
+            dst = res.tensors["hidden_states"]
+            if view.is_cuda:
+                _, ev, keep = gather_to_host(view, self.geo, slots, self.stream, dst=dst)
+            else:
+                dst.copy_(gather_rows(view, self.geo, slots))
+                ev, keep = None, None
+            host = None
+        elif view.is_cuda:
             host, ev, keep = gather_to_host(view, self.geo, slots, self.stream)
         else:
             host = gather_rows(view, self.geo, slots)  # advanced indexing copies: rows are ours now
             ev, keep = None, None
         self.inflight[job.req_id] = ev
-        self.jobs.put((job, host, ev, keep))  # blocks when the writer is behind: the engine slows, nothing drops
+        self.jobs.put((job, host, ev, keep, res))  # blocks when the writer is behind: the engine slows, nothing drops
 
     def _write_loop(self) -> None:
         while True:
             item = self.jobs.get()
             if item is None:
                 return
-            job, host, ev, _keep = item
+            job, host, ev, _keep, res = item
             try:
                 if ev is not None:
                     ev.synchronize()
-                tensors = {"token_ids": torch.tensor(job.token_ids, dtype=torch.int64), "hidden_states": host}
-                spans = job.meta.get("loss_spans")
-                if spans is not None:
-                    mask = torch.zeros(job.num_rows, dtype=torch.uint8)
-                    for a, b in spans:
-                        mask[a:b] = 1
-                    tensors["loss_mask"] = mask
-                meta = {**self.run_meta, **job.meta, "dtype": str(host.dtype).removeprefix("torch.")}
+                if res is not None:
+                    res.commit()  # the rows are in place: make the record visible
+                    continue
+                specs, meta = self._record_layout(job)
+                tensors = {"token_ids": torch.empty(job.num_rows, dtype=torch.int64), "hidden_states": host}
+                if "loss_mask" in specs:
+                    tensors["loss_mask"] = torch.empty(job.num_rows, dtype=torch.uint8)
+                self._fill_small(tensors, job)
                 if self.compact_cfg:
                     from layertap.transport.compact import compact
 
                     tensors, meta = compact(tensors, meta, **self.compact_cfg)
                 self.sink.put(job.key, tensors, meta)
             except BaseException as e:  # surfaced on the engine's next step (get_finished raises)
+                if res is not None:
+                    res.abort()
                 log.error("layertap: writing record %s failed: %r", job.key, e)
                 self.error = e
                 return
@@ -363,5 +424,9 @@ class _WorkerSide:
         if self.writer is not None and self.writer.is_alive():
             self.jobs.put(None)
             self.writer.join(timeout=60)
+        if self.pinned_region is not None:
+            torch.cuda.synchronize()
+            unregister_host(self.pinned_region)
+            self.pinned_region = None
         if self.sink is not None:
             self.sink.close()

@@ -18,11 +18,13 @@ from layertap.engine.cache_view import ViewGeometry, gather_rows
 
 
 def gather_to_host(view: torch.Tensor, geo: ViewGeometry, slots: torch.Tensor, side: "torch.cuda.Stream", *,
-                   index_on_side_stream: bool = True, delay_cycles: int = 0):
-    """Queue the gather of ``slots`` on ``side``; returns (pinned host rows, completion event, keep-alive).
+                   dst: torch.Tensor | None = None, index_on_side_stream: bool = True, delay_cycles: int = 0):
+    """Queue the gather of ``slots`` on ``side``; returns (host rows, completion event, keep-alive).
 
-    ``index_on_side_stream=False`` and ``delay_cycles`` exist only so a test can show what goes wrong with
-    the index tensor on the wrong stream (the connector never passes them).
+    ``dst``: page-locked host memory to land the rows in (e.g. a registered shared-memory slot, so the
+    record needs no further copy); by default a fresh pinned buffer. ``index_on_side_stream=False`` and
+    ``delay_cycles`` exist only so a test can show what goes wrong with the index tensor on the wrong
+    stream (the connector never passes them).
     """
     ready = torch.cuda.Event()
     ready.record()  # on the forward stream: everything queued so far, including the rows' writes
@@ -38,9 +40,27 @@ def gather_to_host(view: torch.Tensor, geo: ViewGeometry, slots: torch.Tensor, s
         if delay_cycles:
             torch.cuda._sleep(delay_cycles)
         rows = gather_rows(view, geo, dev_slots)
-        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True) if dst is None else dst
         host.copy_(rows, non_blocking=True)
     done = torch.cuda.Event()
     done.record(side)
-    # The pinned source of the H2D copy must outlive it; the caller holds this until ``done``.
-    return host, done, host_slots
+    # The pinned source of the H2D copy and the device rows must outlive the copies; the caller holds
+    # these until ``done``.
+    return host, done, (host_slots, rows)
+
+
+def register_host(region: torch.Tensor) -> str | None:
+    """Page-lock an existing host buffer (e.g. a shared-memory pool) for direct device-to-host copies.
+    Returns ``None`` on success, else the driver's error (the caller then stages through pinned memory)."""
+    err = torch.cuda.cudart().cudaHostRegister(region.data_ptr(), region.numel() * region.element_size(), 0)
+    code = int(getattr(err, "value", err))
+    if code != 0:
+        return f"cudaHostRegister failed with cudaError {code} ({err})"
+    if not region[:1].is_pinned():
+        torch.cuda.cudart().cudaHostUnregister(region.data_ptr())
+        return "memory registered but torch does not see it as pinned"
+    return None
+
+
+def unregister_host(region: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(region.data_ptr())

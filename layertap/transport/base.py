@@ -45,11 +45,31 @@ class Sink(ABC):
     @abstractmethod
     def put(self, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None: ...
 
+    def reserve(self, key: str, specs: dict[str, Any], meta: dict[str, Any]) -> "Reservation | None":
+        """Lay a record out in transport memory *now*, without waiting, for the producer to fill in place
+        (``specs``: name -> tensor or ``(dtype, shape)``). ``None`` when the backend cannot (or has no room
+        right now); the producer then builds the tensors itself and calls ``put``."""
+        return None
+
     def flush(self) -> None:  # noqa: B027 - optional
         """Block until everything put so far is committed."""
 
     def close(self) -> None:  # noqa: B027 - optional
         pass
+
+
+class Reservation(ABC):
+    """A record laid out in transport memory: write into ``tensors``, then ``commit()`` exactly once, or
+    ``abort()``. Until ``commit`` no consumer can see it; after ``abort`` its memory is free again."""
+
+    key: str
+    tensors: dict[str, torch.Tensor]
+
+    @abstractmethod
+    def commit(self) -> None: ...
+
+    @abstractmethod
+    def abort(self) -> None: ...
 
 
 class Source(ABC):

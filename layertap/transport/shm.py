@@ -31,10 +31,12 @@ from typing import Any
 import torch
 
 from layertap.records import (
-    IntegrityError, Record, RecordError, deserialize, serialize_into, serialized_size, to_record,
+    IntegrityError, Record, RecordError, deserialize, layout, serialize_into, serialized_size, to_record,
 )
 from layertap.transport import shm_pool as sp
-from layertap.transport.base import PeerGone, Sink, Source, Transport, TransportError, TransportFull, register
+from layertap.transport.base import (
+    PeerGone, Reservation, Sink, Source, Transport, TransportError, TransportFull, register,
+)
 
 DEFAULT_SLOT_BYTES = 64 << 20
 DEFAULT_NUM_SLOTS = 16
@@ -85,10 +87,23 @@ class ShmSink(Sink):
         except FileNotFoundError:
             pass  # the consumer's resource tracker got there first
 
-    def _claim(self, key: str, span: int) -> int:
+    def _key_bytes(self, key: str) -> bytes:
         kb = key.encode()
         if len(kb) > sp.MAX_KEY_BYTES:
             raise ValueError(f"record key {key[:40]!r}... is {len(kb)} bytes; the shm limit is {sp.MAX_KEY_BYTES}")
+        return kb
+
+    def _span(self, key: str, size: int) -> int:
+        span = sp.round_up(size, self.pool.slot_bytes) // self.pool.slot_bytes
+        if span > self.pool.num_slots:
+            raise RecordTooLarge(
+                f"record {key} needs {size} bytes; shm pool {self.name} holds "
+                f"{self.pool.num_slots} x {self.pool.slot_bytes} bytes"
+            )
+        return span
+
+    def _claim(self, key: str, span: int) -> int:
+        kb = self._key_bytes(key)
         deadline = time.monotonic() + self.put_timeout
         next_check, waited = 0.0, False
         while True:
@@ -110,13 +125,7 @@ class ShmSink(Sink):
 
     def put(self, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Commit one record or raise (``TransportFull``, ``PeerGone``, ``RecordTooLarge``)."""
-        size = serialized_size(tensors, meta)
-        span = sp.round_up(size, self.pool.slot_bytes) // self.pool.slot_bytes
-        if span > self.pool.num_slots:
-            raise RecordTooLarge(
-                f"record {key} needs {size} bytes; shm pool {self.name} holds "
-                f"{self.pool.num_slots} x {self.pool.slot_bytes} bytes"
-            )
+        span = self._span(key, serialized_size(tensors, meta))
         head = self._claim(key, span)
         try:
             view = self.pool.data(head, span)
@@ -130,6 +139,47 @@ class ShmSink(Sink):
         self.pool.commit(head, n, cks)
         self.bell.ring(sp.consumer_bell(self.name))
 
+    def reserve(self, key: str, specs: dict[str, Any], meta: dict[str, Any]) -> "ShmReservation | None":
+        """Claim slots for the record now (``None`` if none are free: never waits), write its header, and
+        return tensors that view the slot memory for the producer to fill (e.g. a GPU copy straight into
+        shared memory, no host staging). Nothing is visible to the consumer before ``commit``."""
+        prefix, spans, total = layout(specs, meta)
+        span = self._span(key, total)
+        self._check_consumer(key)
+        head = self.pool.claim(span, self.writer, self._key_bytes(key))
+        if head is None:
+            return None
+        try:
+            view = self.pool.data(head, span)
+            view[: len(prefix)] = prefix
+            tensors = {}
+            for name, spec in specs.items():
+                dtype, shape = (spec.dtype, tuple(spec.shape)) if isinstance(spec, torch.Tensor) else spec
+                pos, nbytes = spans[name]
+                if nbytes:
+                    tensors[name] = torch.frombuffer(view[pos : pos + nbytes], dtype=torch.uint8).view(dtype).reshape(shape)
+                else:
+                    tensors[name] = torch.empty(shape, dtype=dtype)
+        except BaseException:
+            with self.pool.locked():
+                self.pool.free(head)
+            raise
+        return ShmReservation(self, key, head, total, tensors)
+
+    def data_region(self) -> torch.Tensor:
+        """The pool's whole slot area as one uint8 tensor (for registering it with a device driver, so
+        device-to-host copies land in the slots directly)."""
+        mv = memoryview(self.pool.mm)[self.pool.data_off : self.pool.data_off + self.pool.num_slots * self.pool.slot_bytes]
+        return torch.frombuffer(mv, dtype=torch.uint8)
+
+    def _commit_reserved(self, res: "ShmReservation") -> None:
+        span = max(1, self.pool.slot(res.head).span)
+        data = self.pool.data(res.head, span)[: res.length]
+        cks = sp.checksum(data, self.checksum)
+        data.release()
+        self.pool.commit(res.head, res.length, cks)
+        self.bell.ring(sp.consumer_bell(self.name))
+
     def close(self) -> None:
         if self.pool.mm.closed:
             return
@@ -138,6 +188,29 @@ class ShmSink(Sink):
             self.pool.set_writer(self.writer, sp.W_CLOSED, pid, start, name)
         self.pool.close()
         self.bell.close()
+
+
+class ShmReservation(Reservation):
+    """Slots claimed by ``ShmSink.reserve``; ``tensors`` view them. Commit or abort exactly once."""
+
+    def __init__(self, sink: ShmSink, key: str, head: int, length: int, tensors: dict[str, torch.Tensor]):
+        self.sink, self.key, self.head, self.length, self.tensors = sink, key, head, length, tensors
+        self._done = False
+
+    def commit(self) -> None:
+        if self._done:
+            raise TransportError(f"record {self.key}: reservation already committed or aborted")
+        self._done = True
+        self.tensors = {}
+        self.sink._commit_reserved(self)
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self.tensors = {}
+        with self.sink.pool.locked():
+            self.sink.pool.free(self.head)
 
 
 class ShmSource(Source):

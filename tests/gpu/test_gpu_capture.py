@@ -51,11 +51,14 @@ def workload():
 
 @pytest.mark.parametrize("mode", ["compiled", "eager"])
 def test_capture_matches_hf_in_bf16(model, mode):
+    """Compiled mode writes rows straight into the registered shm pool (the default); eager mode stages
+    them through pinned buffers (connector_options direct=False), so both record paths are checked."""
     from vllm import SamplingParams
 
     layers = [0, 1, 2, 4] if mode == "compiled" else [1, 2, 4]
+    opts = {} if mode == "compiled" else {"direct": False}
     varied, shared = workload()
-    with Tap(model=model, layers=layers, enforce_eager=(mode == "eager"), **ENGINE) as tap:
+    with Tap(model=model, layers=layers, enforce_eager=(mode == "eager"), connector_options=opts, **ENGINE) as tap:
         recs = list(tap.capture(varied))
         recs += list(tap.capture(shared[:2])) + list(tap.capture(shared))  # second pass hits the prefix cache
         gen = list(tap.capture(random_prompts(16, [30, 300], seed=24), mode="generate",
@@ -64,6 +67,18 @@ def test_capture_matches_hf_in_bf16(model, mode):
     assert len(recs) == 64 + 2 + 24 and len(gen) == 16
     assert hits > 0
     check(recs + gen, model)
+
+
+def test_prompt_mode_with_async_scheduling_matches_hf(model):
+    """async_scheduling=True is allowed for prompt mode (its rows end with the prompt) and refused for
+    generate mode on vLLM 0.25 (decode rows came back unwritten there)."""
+    varied, shared = workload()
+    with Tap(model=model, layers=[1, 2, 4], async_scheduling=True, **ENGINE) as tap:
+        recs = list(tap.capture(varied)) + list(tap.capture(shared[:2])) + list(tap.capture(shared))
+        with pytest.raises(KnownVLLMBug, match="generate mode needs"):
+            list(tap.capture(varied[:2], mode="generate"))
+    assert len(recs) == 64 + 2 + 24
+    check(recs, model)
 
 
 def test_layer_zero_eager_bug_is_refused_and_detected(model, monkeypatch):
@@ -77,8 +92,14 @@ def test_layer_zero_eager_bug_is_refused_and_detected(model, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallel needs two GPUs (nvidia-h200-x2)")
 def test_tensor_parallel_2_rank0_writes_and_records_match(model):
+    from vllm import SamplingParams
+
     varied, shared = workload()
     with Tap(model=model, layers=[1, 2, 4], tensor_parallel_size=2, **ENGINE) as tap:
         recs = list(tap.capture(varied[:32])) + list(tap.capture(shared))
+        gen = list(tap.capture(random_prompts(8, [30, 300], seed=26), mode="generate",
+                               sampling_params=SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)))
     assert len({r.key for r in recs}) == len(recs) == 32 + 24  # one record per request: only rank 0 writes
-    check(recs, model)
+    assert len({r.key for r in gen}) == len(gen) == 8
+    assert all(r.num_prompt_tokens + 31 == r.token_ids.shape[0] for r in gen)
+    check(recs + gen, model)

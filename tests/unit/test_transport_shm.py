@@ -218,3 +218,37 @@ def test_kill_producer_mid_stream_consumer_gets_named_error_within_seconds(pool)
     wait_for(dies, 5, "PeerGone from the consumer")
     assert time.monotonic() - t0 < 5
     assert src.free_capacity() == cfg["num_slots"]  # half-written slots were reclaimed
+
+
+def test_reserved_records_are_filled_in_place_and_invisible_until_committed(pool):
+    """The zero-staging path (a GPU copy lands straight in the slot): header first, data in place, then
+    commit; an uncommitted or aborted reservation is never delivered, and a full pool returns None at
+    once instead of waiting."""
+    cfg, src = pool
+    sink = SHM.make_sink(cfg, "reserver")
+    try:
+        reservations = []
+        for i in range(4):
+            key, tensors, meta = make_record(i)
+            res = sink.reserve(key, {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}, meta)
+            assert res is not None
+            for k, t in tensors.items():
+                res.tensors[k].copy_(t)
+            reservations.append(res)
+        assert sink.reserve("one-too-many", {"token_ids": (torch.int64, (4,))}, {}) is None
+        assert src.poll(0.05) == []  # nothing committed yet
+        reservations[1].abort()
+        reservations[3].commit()
+        reservations[0].commit()
+        with pytest.raises(TransportError, match="already committed"):
+            reservations[0].commit()
+        recs = src.poll(0.5)
+        assert [r.key for r in recs] == ["req-3", "req-0"]  # commit order
+        for r in recs:
+            assert torch.equal(r.hidden_states, expected_hidden(r.index))
+            r.release()
+        assert src.free_capacity() == 3  # the aborted slot came back; one is still reserved
+        reservations[2].abort()
+        assert src.free_capacity() == 4
+    finally:
+        sink.close()
