@@ -109,7 +109,8 @@ class TrainConfig:
     warmup_steps: int = 20
     max_steps: int = 200
     batch_size: int = 4
-    """Records per optimizer step (right-padded)."""
+    """Records per optimizer step (right-padded). On several ranks this is the global batch: each of N
+    ranks trains on batch_size / N of them (batch_size must be a multiple of N)."""
     max_len: int = 512
     """Records are truncated to this many tokens."""
     weight_decay: float = 0.0

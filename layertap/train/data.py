@@ -103,6 +103,55 @@ def batches(records: Iterable[Record], batch_size: int, aux_ids: Sequence[int], 
         yield collate(buf, aux_ids, last_id, max_len), seen
 
 
+@dataclass
+class Shard:
+    """One rank's part of a global batch (``shard_batches``)."""
+
+    batch: Batch | None
+    """This rank's rows, collated; None when the (final, partial) global batch has none for this rank."""
+    mask: torch.Tensor
+    """[G, T] trained-token mask of the whole global batch (same on every rank; for shared sampling)."""
+    lengths: torch.Tensor
+    """[G] lengths of the whole global batch."""
+    seen: int
+    """Records of the global stream consumed so far (skipped short records included)."""
+
+    @property
+    def global_size(self) -> int:
+        return int(self.lengths.shape[0])
+
+
+def shard_batches(records: Iterable[Record], batch_size: int, rank: int, world_size: int,
+                  aux_ids: Sequence[int], last_id: int | None, max_len: int) -> Iterator[Shard]:
+    """``batches`` split over ranks: every rank reads the same global stream and groups it exactly like
+    ``batches(records, batch_size, ...)``; of each global batch, row i goes to rank ``i % world_size``.
+    So the union of the ranks' shards at step s is the single-process batch at step s, and ``seen`` is
+    the same global count on every rank. Only this rank's rows are collated (hidden states copied)."""
+    if world_size <= 0 or not 0 <= rank < world_size:
+        raise ValueError(f"shard_batches: rank {rank} outside world size {world_size}")
+    buf: list[Record] = []
+    seen = 0
+
+    def shard() -> Shard:
+        n = [min(int(r.token_ids.shape[0]), max_len) for r in buf]
+        mask = torch.zeros(len(buf), max(n))
+        for i, (r, k) in enumerate(zip(buf, n)):
+            check_full_rows(r)
+            mask[i, :k] = trained_mask(r)[:k]
+        mine = buf[rank::world_size]
+        return Shard(collate(mine, aux_ids, last_id, max_len) if mine else None, mask, torch.tensor(n), seen)
+
+    for rec in records:
+        seen += 1
+        if int(rec.token_ids.shape[0]) >= 3:
+            buf.append(rec)
+        if len(buf) == batch_size:
+            yield shard()
+            buf = []
+    if buf:
+        yield shard()
+
+
 def _hf_model(model_path: str | Path):
     from transformers import AutoModelForCausalLM
 

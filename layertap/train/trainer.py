@@ -8,6 +8,13 @@ RNG, so resuming with the same re-iterable source (it skips the consumed prefix)
 Numerics: EAGLE-3 labels are the target's soft distribution, ``softmax(lm_head(final_norm(h_N)))``
 restricted to the draft vocabulary and renormalised (forward KL up to a constant); DFlash trains on the
 sequence tokens, which in regenerate mode are the target's greedy choices.
+
+Several ranks (``torchrun``; see ``layertap.train.dist``): ``batch_size`` is the global batch, split
+evenly over the ranks; every rank reads the same record stream and trains on its rows of each global
+batch (``shard_batches``). Each drafter step loss is a mean over trained positions, so a rank's loss is
+re-weighted by its own position count over the all-reduced global count, and gradients are summed:
+N ranks then compute the gradient of the single-process batch (to float rounding). DFlash anchors are
+drawn for the whole global batch on every rank, as one process would. Only rank 0 writes files.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from dataclasses import asdict
 from itertools import islice
 from pathlib import Path
@@ -26,8 +34,9 @@ from layertap.drafters.dflash import DFlashDrafter, sample_anchors
 from layertap.drafters.eagle3 import Eagle3Drafter, StepStats
 from layertap.models.head import TargetHead, load_tensors
 from layertap.records import Record
+from layertap.train import dist as tdist
 from layertap.train.config import DFlashConfig, DrafterShape, Eagle3Config, TrainConfig
-from layertap.train.data import Batch, batches
+from layertap.train.data import Batch, Shard, batches, shard_batches
 from layertap.train.metrics import MetricsLog
 
 CKPT = "checkpoint.pt"
@@ -59,15 +68,29 @@ class Trainer:
                  draft_ids: torch.Tensor | None = None):
         torch.manual_seed(tcfg.seed)
         self.kind, self.cfg, self.tcfg, self.target = kind, cfg, tcfg, str(target)
-        self.device = torch.device(tcfg.device)
+        self.dist = tdist.setup(tcfg.device)
+        """Rank, world size, backend and device when running on several ranks; None in one process."""
+        self.is_main = self.dist is None or self.dist.is_main
+        if self.dist is not None and tcfg.batch_size % self.dist.world_size:
+            raise tdist.DistSetupError(
+                f"batch_size={tcfg.batch_size} (records per step over all ranks) is not divisible by the world "
+                f"size {self.dist.world_size}: use a multiple of {self.dist.world_size}")
+        self.device = self.dist.device if self.dist is not None else torch.device(tcfg.device)
         self.model = build_drafter(kind, cfg, target, draft_ids).to(self.device)
+        if self.dist is not None:
+            tdist.broadcast_module(self.model)
         self.head = TargetHead.from_pretrained(target).to(self.device) if kind == "eagle3" else None
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=tcfg.lr, betas=(0.9, 0.95), weight_decay=tcfg.weight_decay)
         self.step = 0
         self.records_seen = 0
         self.gen = torch.Generator().manual_seed(tcfg.seed)  # DFlash anchor sampling
-        self.log = MetricsLog(Path(tcfg.out_dir), tensorboard=tcfg.tensorboard)
+        self.log = MetricsLog(Path(tcfg.out_dir), tensorboard=tcfg.tensorboard and self.is_main)
+        if self.dist is not None and self.is_main:
+            d = self.dist
+            print(f"data-parallel training: world size {d.world_size}, backend {d.backend}, "
+                  f"{tcfg.batch_size // d.world_size} records per rank per step ({tcfg.batch_size} per step)",
+                  flush=True)
 
     # -- bookkeeping -------------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
@@ -94,13 +117,22 @@ class Trainer:
         self.gen.set_state(sd["gen"])
         torch.set_rng_state(sd["torch_rng"])
         self.log.history = sd["history"]
+        if self.dist is not None:
+            tdist.broadcast_module(self.model)
 
     def save(self, path: str | Path | None = None) -> Path:
+        """Write the checkpoint. On several ranks this is collective (call it on every rank): rank 0
+        writes, and every rank returns once the file is complete."""
         p = Path(path or Path(self.tcfg.out_dir) / CKPT)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(".tmp")
-        torch.save(self.state_dict(), tmp)
-        tmp.replace(p)  # atomic: a crash mid-save keeps the previous checkpoint
+        try:
+            if self.is_main:
+                p.parent.mkdir(parents=True, exist_ok=True)
+                tmp = p.with_suffix(".tmp")
+                torch.save(self.state_dict(), tmp)
+                tmp.replace(p)  # atomic: a crash mid-save keeps the previous checkpoint
+        finally:
+            if self.dist is not None:
+                tdist.barrier()
         return p
 
     @classmethod
@@ -120,14 +152,18 @@ class Trainer:
             return list(self.cfg.aux_layer_ids), self.cfg.last_layer_id
         return self.cfg.aux_layer_ids, None
 
-    def losses(self, b: Batch) -> list[StepStats]:
+    def _num_stats(self) -> int:
+        return self.cfg.ttt_steps if isinstance(self.cfg, Eagle3Config) else self.cfg.block_size - 1
+
+    def losses(self, b: Batch, anchors: torch.Tensor | None = None) -> list[StepStats]:
         if isinstance(self.model, Eagle3Drafter):
             with torch.no_grad():
                 logits = self.head(b.last)
                 top = logits.argmax(-1)
                 p = torch.softmax(logits[..., self.model.draft_ids].float(), dim=-1)
             return self.model(b.aux, b.ids, p, top, b.mask)
-        anchors = sample_anchors(b.mask, b.lengths, self.cfg.anchors_per_seq, self.gen)
+        if anchors is None:
+            anchors = sample_anchors(b.mask, b.lengths, self.cfg.anchors_per_seq, self.gen)
         return self.model(b.aux, b.ids, b.mask, b.lengths, anchors.to(self.device))
 
     def train_step(self, b: Batch) -> dict[str, Any]:
@@ -148,12 +184,65 @@ class Trainer:
                 "chain": [float(s.chain) / c for s, c in zip(stats, cnt)],
                 "tokens": int(b.lengths.sum())}
 
+    def dist_step(self, sh: Shard) -> dict[str, Any]:
+        """One optimizer step on several ranks: this rank's rows of a global batch (maybe none)."""
+        d = self.dist
+        assert d is not None, "dist_step needs a process group (use train_step in one process)"
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr_at(self.step)
+        k = self._num_stats()
+        anchors = None
+        if self.kind == "dflash":  # drawn for the whole global batch, as one process would, then sliced
+            anchors = sample_anchors(sh.mask, sh.lengths, self.cfg.anchors_per_seq, self.gen)[d.rank :: d.world_size]
+        self.opt.zero_grad(set_to_none=True)
+        use_bf16 = self.device.type == "cuda" and self.tcfg.dtype == "bfloat16"
+        stats = None
+        local = torch.zeros(3 * k + 1, dtype=torch.float64, device=self.device)
+        if sh.batch is not None:
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16):
+                stats = self.losses(sh.batch.to(self.device), anchors)
+            local[:k] = torch.stack([s.count for s in stats]).double()
+            local[k : 2 * k] = torch.stack([s.correct for s in stats]).double()
+            local[2 * k : 3 * k] = torch.stack([s.chain for s in stats]).double()
+            local[3 * k] = float(sh.batch.lengths.sum())
+        tot = tdist.all_reduce(local)
+        count = tot[:k]
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        loss_val = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if stats is not None:
+            # Each step loss is sum(loss * w) / max(count, 1) over this rank's rows; scaled to the global
+            # count, the ranks' losses (and gradients) sum to the single-process batch's.
+            loss = sum(s.loss * s.count.clamp(min=1.0) / count[j].clamp(min=1.0).to(s.loss.dtype)
+                       for j, s in enumerate(stats))
+            loss.backward()
+            loss_val[0] = loss.detach().double()
+        head = torch.cat([torch.tensor([float(p.grad is not None) for p in params], dtype=torch.float64,
+                                       device=self.device), loss_val])
+        head = tdist.all_reduce(head)
+        for p, used in zip(params, head[:-1].tolist()):
+            if not used:  # no rank touched it: no gradient, as in one process
+                p.grad = None
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            tdist.all_reduce(p.grad)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
+        self.opt.step()
+        self.step += 1
+        cnt = count.clamp(min=1.0)
+        return {"loss": float(head[-1]), "lr": self.lr_at(self.step - 1),
+                "acc": (tot[k : 2 * k] / cnt).tolist(), "chain": (tot[2 * k : 3 * k] / cnt).tolist(),
+                "tokens": int(tot[3 * k])}
+
     def fit(self, records: Iterable[Record], *, stop_after: int | None = None) -> list[dict[str, Any]]:
         """Train until ``max_steps`` (or ``stop_after`` steps, leaving the schedule planned for
-        ``max_steps``: an interruption) or the source ends; skips records consumed before a resume."""
+        ``max_steps``: an interruption) or the source ends; skips records consumed before a resume.
+        On several ranks every rank passes the same stream; all stop together when any runs out."""
         aux_ids, last_id = self._layer_ids()
         skip = self.records_seen
         stream = islice(iter(records), skip, None)
+        if self.dist is not None:
+            return self._fit_dist(stream, skip, stop_after)
         t0 = time.monotonic()
         for b, seen in batches(stream, self.tcfg.batch_size, aux_ids, last_id, self.tcfg.max_len):
             if self.step >= min(self.tcfg.max_steps, stop_after or self.tcfg.max_steps):
@@ -167,10 +256,53 @@ class Trainer:
                 self.save()
         return self.log.history
 
+    def _fit_dist(self, stream: Iterable[Record], skip: int, stop_after: int | None) -> list[dict[str, Any]]:
+        d = self.dist
+        aux_ids, last_id = self._layer_ids()
+        limit = min(self.tcfg.max_steps, stop_after or self.tcfg.max_steps)
+        shards = shard_batches(stream, self.tcfg.batch_size, d.rank, d.world_size, aux_ids, last_id,
+                               self.tcfg.max_len)
+        first, warned = True, False
+        t0 = time.monotonic()
+        while self.step < limit:
+            sh = next(shards, None)
+            # One all-reduce (min) agrees on going on: [have a batch, its global size, seen, -seen].
+            have = sh is not None
+            flag = torch.tensor([float(have), sh.global_size if have else 0.0, sh.seen if have else 0.0,
+                                 -sh.seen if have else 0.0], dtype=torch.float64, device=self.device)
+            have_all, gsize, seen_min, neg_seen_max = tdist.all_reduce(flag, "min").tolist()
+            if not have_all:
+                break  # some rank's stream ended: every rank stops at this same step
+            if seen_min != -neg_seen_max and not warned and self.is_main:
+                warned = True
+                warnings.warn(f"ranks read different record streams (consumed {int(seen_min)} vs "
+                              f"{int(-neg_seen_max)} records by step {self.step + 1}): records_seen counts the "
+                              "longest, so a resume is not exact; pass every rank the same stream, the trainer "
+                              "shards it", stacklevel=2)
+            if first and skip == 0 and gsize < d.world_size:
+                raise tdist.DistSetupError(
+                    f"world size {d.world_size} exceeds the {int(gsize)} trainable record(s) in the data: "
+                    f"run on at most {int(gsize)} rank(s)")
+            first = False
+            m = self.dist_step(sh)
+            self.records_seen = skip + int(-neg_seen_max)
+            m["step"], m["tok_per_s"] = self.step, m["tokens"] / max(time.monotonic() - t0, 1e-9)
+            t0 = time.monotonic()
+            self.log.add(m, echo=self.is_main and (self.step % self.tcfg.log_every == 0 or self.step == 1))
+            if self.tcfg.save_every and self.step % self.tcfg.save_every == 0:
+                self.save()
+        return self.log.history
+
     def finish(self) -> Path:
-        """Final checkpoint + PNG plot + history JSON; returns the checkpoint path."""
-        ckpt = self.save()
-        self.log.plot(Path(self.tcfg.out_dir) / "training.png", title=f"{self.kind} drafter")
-        (Path(self.tcfg.out_dir) / "history.json").write_text(json.dumps(self.log.history))
-        self.log.close()
+        """Final checkpoint + PNG plot + history JSON; returns the checkpoint path. On several ranks
+        rank 0 writes them and every rank returns once they are written."""
+        try:
+            ckpt = self.save()
+            if self.is_main:
+                self.log.plot(Path(self.tcfg.out_dir) / "training.png", title=f"{self.kind} drafter")
+                (Path(self.tcfg.out_dir) / "history.json").write_text(json.dumps(self.log.history))
+            self.log.close()
+        finally:
+            if self.dist is not None:
+                tdist.barrier()
         return ckpt
