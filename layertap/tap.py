@@ -40,6 +40,13 @@ log = logging.getLogger("layertap")
 CPU_DEFAULT_KV_BYTES = 1 << 30  # the CPU backend reads gpu_memory_utilization as a share of RAM
 
 
+def owner_info() -> dict[str, int]:
+    """This process, as the engine processes' connector watches it (``connector.watch_owner``)."""
+    from layertap.transport.shm_pool import proc_start_time
+
+    return {"pid": os.getpid(), "start": proc_start_time(os.getpid()) or 0}
+
+
 class CaptureError(RuntimeError):
     """A capture request failed; the message names the input index / request."""
 
@@ -160,7 +167,7 @@ class Tap:
         if not on_cuda and "kv_cache_memory_bytes" not in kw and "gpu_memory_utilization" not in kw:
             kw["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_BYTES
         extra = {"transport": self.transport_cfg, "run_meta": self.run_meta,
-                 "slot_check_steps": kw.pop("slot_check_steps", 4)}
+                 "slot_check_steps": kw.pop("slot_check_steps", 4), "owner": owner_info()}
         # Connector switches (e.g. {"direct": False}: stage rows through pinned buffers instead of writing
         # them into transport memory in place); unknown keys are refused so a typo is not silently ignored.
         opts = dict(kw.pop("connector_options", None) or {})

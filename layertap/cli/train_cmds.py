@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,7 @@ def _add_train(sub: Any) -> None:
     p.add_argument("--max-steps", type=int, default=None,
                    help="optimizer steps, the LR schedule's length (default 200; on --resume the checkpoint's; "
                    "a different value on resume extends the run but is no longer bit-exact)")
-    p.add_argument("--batch-size", type=int, default=4, help="records per step")
+    p.add_argument("--batch-size", type=int, default=4, help="records per step over all ranks (under torchrun each of N ranks takes batch_size / N)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW, warmup + cosine)")
     p.add_argument("--warmup", type=int, default=20, help="warmup steps")
     p.add_argument("--max-len", type=int, default=512, help="truncate records to this many tokens")
@@ -155,6 +156,8 @@ def _train(args: argparse.Namespace) -> int:
     ds = load_records(args.dataset)
     if len(ds) == 0:
         raise SystemExit(f"train-offline: dataset {args.dataset} holds no records")
+    # Under torchrun every rank runs this; only rank 0 speaks (the trainer itself writes on rank 0 only).
+    say = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)
     target = _target_of(args, ds)
     tcfg = TrainConfig(out_dir=args.out, lr=args.lr, warmup_steps=args.warmup, max_steps=args.max_steps or 200,
                        batch_size=args.batch_size, max_len=args.max_len, seed=args.seed,
@@ -167,18 +170,18 @@ def _train(args: argparse.Namespace) -> int:
         if not ckpt.exists():
             raise SystemExit(f"train-offline: --resume but no checkpoint at {ckpt}")
         tr = Trainer.load(ckpt, **({} if args.max_steps is None else {"max_steps": args.max_steps}))
-        print(f"resumed at step {tr.step} ({tr.records_seen} records consumed)")
+        say(f"resumed at step {tr.step} ({tr.records_seen} records consumed)")
     else:
         cfg = _build_config(args, target, ds[0].layer_ids)
         draft_ids = None
         if args.kind == "eagle3":
-            print(head_selftest(target, ds, cfg.last_layer_id))
+            say(head_selftest(target, ds, cfg.last_layer_id))
             draft_ids = draft_vocab_from_counts(token_counts(ds, cfg.shape.vocab_size), cfg.draft_vocab_size)
         tr = Trainer(args.kind, cfg, tcfg, target, draft_ids)
     # On resume the data order must be the original run's: take epochs and seed from the checkpoint.
     tr.fit(epoch_stream(ds, int(tr.tcfg.extra.get("epochs", args.epochs)), tr.tcfg.seed))
     path = tr.finish()
-    print(f"saved {path} at step {tr.step}; plot {Path(args.out) / 'training.png'}")
+    say(f"saved {path} at step {tr.step}; plot {Path(args.out) / 'training.png'}")
     return 0
 
 

@@ -25,8 +25,10 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +56,33 @@ from layertap.transport.base import get_transport
 
 log = logging.getLogger("vllm.layertap")  # under "vllm": shown by vLLM's own log set-up
 PARAMS_KEY = "layertap"  # kv_transfer_params[PARAMS_KEY] marks a request for capture
+
+
+_OWNER_WATCH: list[threading.Thread] = []  # one per process
+
+
+def watch_owner(owner: dict[str, int] | None, role: str, period: float = 0.5) -> None:
+    """Kill this engine process when the process that started the engine is gone.
+
+    vLLM's engine core and workers outlive a parent killed with SIGKILL (seen on the CPU build: both kept
+    running, holding the capture pool, and Python's resource tracker kept waiting on them). Each engine
+    process that loads the connector watches the owner's pid + start time and exits when it disappears."""
+    if not owner or _OWNER_WATCH:
+        return
+    from layertap.transport.shm_pool import alive
+
+    pid, start = int(owner["pid"]), int(owner["start"])
+
+    def run() -> None:
+        while alive(pid, start):
+            time.sleep(period)
+        log.error("layertap %s: the process that started this engine (pid %d) is gone; exiting so the engine "
+                  "does not outlive it", role, pid)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    t = threading.Thread(target=run, name="layertap-owner-watch", daemon=True)
+    t.start()
+    _OWNER_WATCH.append(t)
 
 
 class SlotCheckError(RuntimeError):
@@ -100,6 +129,7 @@ class LayertapConnector(KVConnectorBase_V1, SupportsHMA):
             "own_group": bool(groups) and groups[self._group].spec_type == "HiddenStateCacheSpec",
             "group_types": [g.spec_type for g in groups],
         }
+        watch_owner(self._extra.get("owner"), "scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
         if role == KVConnectorRole.SCHEDULER:
             self._sched = _SchedulerSide(self)
             log.info("layertap scheduler: hidden-state group %d of %s, manager block size %d, layer ids %s",

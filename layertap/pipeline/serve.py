@@ -72,8 +72,9 @@ def run_meta(model: str, layers: list[int]) -> tuple[dict[str, Any], list[int]]:
 
 def server_argv(args: argparse.Namespace, tcfg: dict[str, Any], meta: dict[str, Any], ids: list[int]) -> list[str]:
     from layertap.engine import compat
+    from layertap.tap import owner_info
 
-    extra = {"transport": tcfg, "run_meta": meta, "capture_all": bool(args.capture_all),
+    extra = {"transport": tcfg, "run_meta": meta, "capture_all": bool(args.capture_all), "owner": owner_info(),
              "default_mode": "generate"}
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", meta["model"],
             "--host", args.host, "--port", str(args.port),

@@ -128,3 +128,49 @@ def test_report_has_acceptance_and_rates(resumed):
     assert (out / "report.png").stat().st_size > 10_000
     assert (out / "exports" / "final" / "config.json").exists()
     assert "mean acceptance length" in stdout
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """A run whose main process is killed with SIGKILL (no handler runs: what the OOM killer does) after a
+    checkpoint; returns (out, leftover processes after 30 s, shm left after 30 s, consumed at the kill)."""
+    out = tmp_path_factory.mktemp("pipeline-kill") / "run"
+    shm_before = _shm()
+    log = open(out.parent / "run1.log", "w")
+    proc = subprocess.Popen(_cmd("--out", str(out), *SMALL), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        _wait(lambda: _progress(out).get("step", 0) >= 3 and (out / "checkpoint.pt").exists(), 240,
+              "records to flow and a checkpoint", proc)
+        kids = psutil.Process(proc.pid).children(recursive=True)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    gone = psutil.wait_procs(kids, timeout=30)[1]
+    left = [f"{p.pid} {p.name()}" for p in gone if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for p in gone:
+        p.kill()
+    deadline = time.monotonic() + 30
+    while _shm() - shm_before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return out, left, _shm() - shm_before, _ckpt_consumed(out)
+
+
+def test_sigkill_leaves_nothing_and_resume_finishes(killed):
+    """After kill -9 of the main process: its children exit on their own, the shm pool is unlinked (by the
+    resource tracker), the last checkpoint is intact (atomic save), and ``--resume`` trains every input
+    exactly once to the end."""
+    out, left, shm, before = killed
+    assert not left, f"processes left behind after kill -9 of the main process: {left}"
+    assert not shm, f"shared memory left behind after kill -9: {shm}"
+    assert before and len(before) % BATCH == 0, before
+    res = subprocess.run(_cmd("--out", str(out), "--resume"), capture_output=True, text=True, timeout=420)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["rates"]["submitted"] == N_INPUTS - len(before)
+    assert sorted(_ckpt_consumed(out)) == list(range(N_INPUTS))
+    assert rep["steps"] == N_INPUTS // BATCH
