@@ -65,8 +65,8 @@ def _named_errors(func: Any) -> Any:
     return wrapped
 
 
-def _train_ray(cfg: Any, n: int) -> int:
-    import json
+def _train_ray(cfg: Any, n: int, resume: bool) -> int:
+    from pathlib import Path
 
     try:
         import ray
@@ -76,9 +76,11 @@ def _train_ray(cfg: Any, n: int) -> int:
 
     ray.init(include_dashboard=False)
     try:
-        print(json.dumps(run_ray(cfg, num_engines=n), indent=1))
+        rep = run_ray(cfg, num_engines=n, resume=resume)["report"]
     finally:
         ray.shutdown()
+    print(f"\nreport: {Path(cfg.out) / 'report.md'}  (wall {rep['wall_s']} s)")
+    print((Path(cfg.out) / "report.md").read_text())
     return 0
 
 
@@ -121,7 +123,7 @@ def _train(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
     if args.ray_engines:
-        return _train_ray(cfg, args.ray_engines)
+        return _train_ray(cfg, args.ray_engines, args.resume)
     # SIGTERM takes the same clean path as Ctrl-C (KeyboardInterrupt unwinds every `finally`).
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:

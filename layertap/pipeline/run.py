@@ -53,7 +53,8 @@ def _trainer(cfg: PipelineConfig, plan: Plan, out: Path, resume: bool) -> Any:
 
     ckpt = out / CKPT
     if resume and ckpt.exists():
-        tr = Trainer.load(ckpt)
+        # The run config may extend the run (a larger train.max_steps); everything else comes from the checkpoint.
+        tr = Trainer.load(ckpt, max_steps=cfg.train.max_steps)
         print(f"resumed at step {tr.step}: {len(tr.tcfg.extra['consumed'])} inputs already trained on", flush=True)
         return tr
     if resume:
