@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -85,8 +86,19 @@ def setup(device: str | torch.device) -> DistInfo | None:
 
 
 def _destroy() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """At exit: wait for the other ranks, then end the group. Without the barrier a rank that leaves first
+    (rank 0 also hosts the rendezvous store) can make a slower peer's gloo threads abort (SIGABRT, seen in
+    tests/unit/test_trainer_ddp.py about one run in three)."""
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=30))
+        else:
+            dist.barrier()
+    except Exception:  # noqa: BLE001 - a peer is already gone: nothing left to wait for
+        pass
+    dist.destroy_process_group()
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:

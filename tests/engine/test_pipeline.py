@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -59,18 +60,29 @@ def _ckpt_consumed(out: Path) -> list[int]:
     return list(sd["train_config"]["extra"]["consumed"])
 
 
+def _launch(out: Path) -> tuple[subprocess.Popen, Any]:
+    """Start run 1 of a small ``layertap train`` in its own process group; returns (process, log file)."""
+    log = open(out.parent / "run1.log", "w")
+    proc = subprocess.Popen(_cmd("--out", str(out), *SMALL), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    return proc, log
+
+
+def _running_with_checkpoint(out: Path, proc: subprocess.Popen) -> list[psutil.Process]:
+    """Wait until records flow and a checkpoint exists; returns the run's child processes."""
+    _wait(lambda: _progress(out).get("step", 0) >= 3 and (out / "checkpoint.pt").exists(), 240,
+          "records to flow and a checkpoint", proc)
+    return psutil.Process(proc.pid).children(recursive=True)
+
+
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory):
     """Run 1, interrupted by SIGINT after the first checkpoint; returns (out, rc, seconds, leftovers, shm)."""
     out = tmp_path_factory.mktemp("pipeline") / "run"
     shm_before = _shm()
-    log = open(out.parent / "run1.log", "w")
-    proc = subprocess.Popen(_cmd("--out", str(out), *SMALL), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc, log = _launch(out)
     try:
-        _wait(lambda: _progress(out).get("step", 0) >= 3 and (out / "checkpoint.pt").exists(), 240,
-              "records to flow and a checkpoint", proc)
-        kids = psutil.Process(proc.pid).children(recursive=True)
+        kids = _running_with_checkpoint(out, proc)
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         rc = proc.wait(timeout=90)
@@ -136,13 +148,9 @@ def killed(tmp_path_factory):
     checkpoint; returns (out, leftover processes after 30 s, shm left after 30 s, consumed at the kill)."""
     out = tmp_path_factory.mktemp("pipeline-kill") / "run"
     shm_before = _shm()
-    log = open(out.parent / "run1.log", "w")
-    proc = subprocess.Popen(_cmd("--out", str(out), *SMALL), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc, log = _launch(out)
     try:
-        _wait(lambda: _progress(out).get("step", 0) >= 3 and (out / "checkpoint.pt").exists(), 240,
-              "records to flow and a checkpoint", proc)
-        kids = psutil.Process(proc.pid).children(recursive=True)
+        kids = _running_with_checkpoint(out, proc)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:

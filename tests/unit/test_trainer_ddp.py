@@ -86,9 +86,9 @@ def _worker(rank: int, port: int, kind: str, tmp: str, device: str) -> None:
     torch.save(res, tmp_p / f"result{rank}.pt")
 
 
-def _launch(kind: str, tmp: Path, device: str) -> list[dict]:
-    ctx = mp.start_processes(_worker, args=(free_port(), kind, str(tmp), device), nprocs=WORLD, join=False,
-                             start_method="spawn")
+def _run_ranks(fn, args: tuple) -> None:
+    """Run ``fn(rank, *args)`` on WORLD spawned processes; fail (and kill them) if they outlive TIMEOUT."""
+    ctx = mp.start_processes(fn, args=args, nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT
     try:
         while not ctx.join(timeout=1.0):
@@ -98,6 +98,10 @@ def _launch(kind: str, tmp: Path, device: str) -> list[dict]:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
+
+
+def _launch(kind: str, tmp: Path, device: str) -> list[dict]:
+    _run_ranks(_worker, (free_port(), kind, str(tmp), device))
     return [torch.load(tmp / f"result{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
@@ -178,17 +182,7 @@ def _bad_worker(rank: int, port: int, tmp: str) -> None:
 
 def test_bad_setups_name_the_problem(tmp_path):
     _dataset(tmp_path / "ds")
-    ctx = mp.start_processes(_bad_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"ranks still running after {TIMEOUT:.0f}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    _run_ranks(_bad_worker, (free_port(), str(tmp_path)))
     for r in range(WORLD):
         errors = torch.load(tmp_path / f"errors{r}.pt")
         assert len(errors) == 2, errors
