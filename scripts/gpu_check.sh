@@ -5,7 +5,7 @@
 #                                      # safety, layer-0 bug detection, tensor parallel 2 if 2 GPUs
 #   bash scripts/gpu_check.sh bench   # capture overhead (hidden 2048, 16 layers, batch 1..64; plain, capture and
 #                                      # the variants that explain the gap; BENCH_VARIANTS=... adds capture-async,
-#                                      # plain-sync) + trainer MFU (SKIP_TRAIN_BENCH=1: skip); fits one 10-min call
+#                                      # plain-sync) + trainer MFU (SKIP_TRAIN_BENCH=1: skip)
 #   bash scripts/gpu_check.sh bench-tp2   # the overhead ratio with tensor parallel 2 (two GPUs)
 # Results and logs go to $OUT (the device tool's return folder) or ./gpu-results.
 set -uo pipefail

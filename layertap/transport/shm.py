@@ -164,7 +164,7 @@ class ShmSink(Sink):
             with self.pool.locked():
                 self.pool.free(head)
             raise
-        return ShmReservation(self, key, head, total, tensors)
+        return ShmReservation(self, key, head, span, total, tensors)
 
     def data_region(self) -> torch.Tensor:
         """The pool's whole slot area as one uint8 tensor (for registering it with a device driver, so
@@ -173,8 +173,7 @@ class ShmSink(Sink):
         return torch.frombuffer(mv, dtype=torch.uint8)
 
     def _commit_reserved(self, res: "ShmReservation") -> None:
-        span = max(1, self.pool.slot(res.head).span)
-        data = self.pool.data(res.head, span)[: res.length]
+        data = self.pool.data(res.head, res.span)[: res.length]
         cks = sp.checksum(data, self.checksum)
         data.release()
         self.pool.commit(res.head, res.length, cks)
@@ -193,8 +192,9 @@ class ShmSink(Sink):
 class ShmReservation(Reservation):
     """Slots claimed by ``ShmSink.reserve``; ``tensors`` view them. Commit or abort exactly once."""
 
-    def __init__(self, sink: ShmSink, key: str, head: int, length: int, tensors: dict[str, torch.Tensor]):
-        self.sink, self.key, self.head, self.length, self.tensors = sink, key, head, length, tensors
+    def __init__(self, sink: ShmSink, key: str, head: int, span: int, length: int,
+                 tensors: dict[str, torch.Tensor]):
+        self.sink, self.key, self.head, self.span, self.length, self.tensors = sink, key, head, span, length, tensors
         self._done = False
 
     def commit(self) -> None:

@@ -75,6 +75,23 @@ def _running_with_checkpoint(out: Path, proc: subprocess.Popen) -> list[psutil.P
     return psutil.Process(proc.pid).children(recursive=True)
 
 
+def _reap(proc: subprocess.Popen, log: Any) -> None:
+    """Whatever happened, leave no run behind: kill its process group if it still runs, close its log."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    log.close()
+
+
+def _left_behind(kids: list[psutil.Process], timeout: float) -> list[str]:
+    """Child processes still alive (not zombies) ``timeout`` s later, as "pid name"; they are then killed."""
+    gone = psutil.wait_procs(kids, timeout=timeout)[1]
+    left = [f"{p.pid} {p.name()}" for p in gone if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for p in gone:
+        p.kill()
+    return left
+
+
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory):
     """Run 1, interrupted by SIGINT after the first checkpoint; returns (out, rc, seconds, leftovers, shm)."""
@@ -88,15 +105,8 @@ def interrupted(tmp_path_factory):
         rc = proc.wait(timeout=90)
         took = time.monotonic() - t0
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-    gone = psutil.wait_procs(kids, timeout=10)[1]
-    left = [f"{p.pid} {p.name()}" for p in gone if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    for p in gone:
-        p.kill()
-    return out, rc, took, left, _shm() - shm_before
+        _reap(proc, log)
+    return out, rc, took, _left_behind(kids, 10), _shm() - shm_before
 
 
 def test_sigint_exits_cleanly(interrupted):
@@ -154,14 +164,8 @@ def killed(tmp_path_factory):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-    gone = psutil.wait_procs(kids, timeout=30)[1]
-    left = [f"{p.pid} {p.name()}" for p in gone if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    for p in gone:
-        p.kill()
+        _reap(proc, log)
+    left = _left_behind(kids, 30)
     deadline = time.monotonic() + 30
     while _shm() - shm_before and time.monotonic() < deadline:
         time.sleep(0.5)
