@@ -34,6 +34,7 @@ from layertap.engine.connector import PARAMS_KEY
 from layertap.records import LAYER_SEMANTICS, Record, token_digest
 from layertap.transport.base import TransportFull, get_transport
 from layertap.targetinfo import TargetInfo
+from layertap.verify import row_cosine
 
 log = logging.getLogger("layertap")
 
@@ -95,10 +96,16 @@ class Tap:
     def __init__(self, model: str | os.PathLike, layers: list[int], *, transport: str | None = None,
                  transport_config: dict[str, Any] | None = None, out: str | os.PathLike | None = None,
                  max_inflight: int | None = None, check_first: int = 8, record_timeout: float = 120.0,
-                 post_norm_last: bool = False, zero_copy: bool = False, **engine_kwargs: Any):
+                 post_norm_last: bool = False, zero_copy: bool = False, capture_path: str = "hook",
+                 **engine_kwargs: Any):
         """``transport``: "file" (a dataset at ``out``), "shm" (default without ``out``: a shared-memory pool)
         or "mooncake". ``zero_copy``: stream records that view the transport's memory (call
-        ``rec.release()`` when done); by default streamed records are private copies."""
+        ``rec.release()`` when done); by default streamed records are private copies. ``capture_path``:
+        "hook" (default; the model runner's forward writes the rows, no speculative decoding) or
+        "extract" (vLLM's ``extract_hidden_states`` speculative method); see ``engine/compat.py``."""
+        if capture_path not in compat.CAPTURE_PATHS:
+            raise ValueError(f"unknown capture_path {capture_path!r}; expected one of {compat.CAPTURE_PATHS}")
+        self.capture_path = capture_path
         self.version = compat.check_version()
         self.target = TargetInfo.load(model)
         self.layers = self.target.check_layer_ids(layers)
@@ -163,11 +170,13 @@ class Tap:
     def _start_engine(self, kw: dict[str, Any], on_cuda: bool):
         from vllm import LLM
 
-        kw = {**compat.engine_defaults(self.version, on_cuda, kw), **kw}
+        kw = {**compat.engine_defaults(self.version, on_cuda, kw, self.capture_path), **kw}
+        capture_kw = compat.engine_capture_kwargs(self.capture_path, self.layers, kw)
         if not on_cuda and "kv_cache_memory_bytes" not in kw and "gpu_memory_utilization" not in kw:
             kw["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_BYTES
         extra = {"transport": self.transport_cfg, "run_meta": self.run_meta,
-                 "slot_check_steps": kw.pop("slot_check_steps", 4), "owner": owner_info()}
+                 "slot_check_steps": kw.pop("slot_check_steps", 4), "owner": owner_info(),
+                 "capture_path": self.capture_path, "layer_ids": list(self.layers)}
         # Connector switches (e.g. {"direct": False}: stage rows through pinned buffers instead of writing
         # them into transport memory in place); unknown keys are refused so a typo is not silently ignored.
         opts = dict(kw.pop("connector_options", None) or {})
@@ -178,13 +187,14 @@ class Tap:
         kw.setdefault("disable_log_stats", False)
         return LLM(
             model=str(self.target.path),
-            speculative_config=compat.speculative_config(self.layers),
+            **capture_kw,
             kv_transfer_config=compat.kv_transfer_config(extra),
             **kw,
         )
 
     def check_generate_allowed(self) -> None:
-        compat.check_generate_allowed(self.version, torch.cuda.is_available(), compat.async_scheduling(self.llm))
+        compat.check_generate_allowed(self.version, torch.cuda.is_available(), compat.async_scheduling(self.llm),
+                                      self.capture_path)
 
     @property
     def tokenizer(self):
@@ -364,7 +374,7 @@ class Tap:
     def _check_layer_zero(self, rec: Record) -> None:
         emb = self.target.embedding_rows(rec.token_ids)
         got = rec.hidden_states[:, self.layers.index(0)].float()
-        cos = torch.nn.functional.cosine_similarity(got, emb.float(), dim=-1)
+        cos = row_cosine(got, emb.float())
         if cos.min() < 0.99:
             raise LayerZeroMismatch(
                 f"record {rec.key}: layer id 0 is not the token embedding (min cosine {cos.min():.4f}); vLLM "

@@ -74,6 +74,14 @@ class HFReference:
         return torch.stack(cols, dim=1)  # [T, L, H]
 
 
+def row_cosine(got: torch.Tensor, ref: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Cosine per row (last axis). A row that is zero in both (e.g. the embedding of a padding token,
+    whose row in the table is all zeros) counts as a match (1.0); zero in one only counts as 0."""
+    cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
+    both_zero = (got.norm(dim=-1) <= eps) & (ref.norm(dim=-1) <= eps)
+    return torch.where(both_zero, torch.ones_like(cos), cos)
+
+
 def compare(rec: Record, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     got = rec.hidden_states.to(ref.device, torch.float32)
     ref = ref.float()
@@ -82,7 +90,7 @@ def compare(rec: Record, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         ref = ref[pos.to(ref.device)]
     if got.shape[0] != ref.shape[0]:
         raise ValueError(f"record {rec.key}: {got.shape[0]} rows for {ref.shape[0]} reference tokens")
-    cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
+    cos = row_cosine(got, ref)
     err = (got - ref).abs().amax(dim=-1)
     return cos.cpu(), err.cpu()
 

@@ -158,3 +158,21 @@ def gather_rows(view: torch.Tensor, geo: ViewGeometry, slots: torch.Tensor) -> t
     if geo.plane_axis == 1:
         return view[blk, :, off]  # advanced indices on axes 0 and 2 -> [T, n_planes, hidden]
     return view[blk, off]  # [num_blocks, block, planes, hidden] -> [T, n_planes, hidden]
+
+
+def scatter_planes(view: torch.Tensor, geo: ViewGeometry, slots: torch.Tensor, planes: Sequence[torch.Tensor]) -> None:
+    """Write one row per slot into each plane of the view: ``planes[p][i]`` lands at ``slots[i]``.
+
+    The inverse of ``gather_rows``, used by the hook capture path inside the model runner's forward.
+    ``slots`` may be shorter than the planes (vLLM pads the model's input but not always the slot
+    mapping); rows past it are padding and are not written. Padding slots (-1) are sent to block 0, which
+    vLLM never hands to a request (its null block), so the write needs no branch and no host sync.
+    """
+    if len(planes) != geo.n_planes:
+        raise CacheLayoutError(f"{len(planes)} hidden-state planes for a view of {geo.n_planes}")
+    n = slots.shape[0]
+    blk, off = view_index(slots.clamp_min(0), geo.view_block_size)
+    for p, rows in enumerate(planes):
+        if rows.shape[0] < n:
+            raise CacheLayoutError(f"plane {p} has {rows.shape[0]} rows for {n} slots")
+        view.select(geo.plane_axis, p)[blk, off] = rows[:n]

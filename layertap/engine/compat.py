@@ -12,6 +12,8 @@ import threading
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+import torch
+
 from layertap.engine.cache_view import CAPTURE_LAYER_MARK, GroupInfo
 
 log = logging.getLogger("layertap")
@@ -50,6 +52,31 @@ def check_version() -> str:
     if not v.startswith(SUPPORTED):
         raise UnsupportedVLLM(f"vLLM {v} is not supported; layertap supports {', '.join(SUPPORTED)}.x")
     return v
+
+
+CAPTURE_PATHS = ("hook", "extract")
+HOOK_WORKER = "layertap.engine.hook_worker.LayertapWorker"
+HOOK_LAYER_PREFIX = "layertap.cache_only_layers"  # contains cache_view.CAPTURE_LAYER_MARK
+
+
+def engine_capture_kwargs(path: str, layer_ids: list[int], user_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The ``LLM(...)`` arguments that switch capture on, for either path.
+
+    ``hook`` (default): layertap's worker class asks the target model for its residual-stream outputs
+    (vLLM's EAGLE-3 aux-hidden-state mechanism, inside the compiled graph) and writes them from the
+    model runner's forward into a cache-only KV layer of its own; no speculative decoding runs.
+    ``extract``: vLLM's ``extract_hidden_states`` speculative method writes the same tensors into the
+    same kind of layer through a dummy drafter (an extra forward and a draft slot per step).
+    Both fill a ``HiddenStateCacheSpec`` group that the connector reads the same way.
+    """
+    if path not in CAPTURE_PATHS:
+        raise ValueError(f"unknown capture path {path!r}; expected one of {CAPTURE_PATHS}")
+    for k in ("speculative_config", "worker_cls"):
+        if user_kwargs.get(k) not in (None, "auto"):
+            raise ValueError(f"{k} is set by layertap's capture (path {path!r}); it cannot be given as well")
+    if path == "extract":
+        return {"speculative_config": speculative_config(layer_ids)}
+    return {"worker_cls": HOOK_WORKER}
 
 
 def speculative_config(layer_ids: list[int]) -> dict[str, Any]:
@@ -136,6 +163,14 @@ def num_layers(vllm_config: Any) -> int:
 
 
 def capture_layer_ids(vllm_config: Any) -> list[int]:
+    extra = extra_config(vllm_config) if vllm_config.kv_transfer_config is not None else {}
+    if extra.get("capture_path") == "hook":
+        ids = extra.get("layer_ids")
+        if not ids:
+            raise UnsupportedVLLM("hook capture: kv_connector_extra_config carries no layer_ids")
+        return [int(i) for i in ids]
+    if vllm_config.speculative_config is None:
+        raise UnsupportedVLLM("extract capture needs speculative_config (method extract_hidden_states)")
     hf = vllm_config.speculative_config.draft_model_config.hf_config
     ids = getattr(hf, "eagle_aux_hidden_state_layer_ids", None)
     if not ids:
@@ -173,8 +208,123 @@ def cached_requests(scheduler_output: Any) -> list[tuple[str, tuple[list[int], .
     return out
 
 
-def engine_defaults(v: str, on_cuda: bool, user_kwargs: dict[str, Any]) -> dict[str, Any]:
+# ----------------------------------------------------------------------------------------------
+# The hook capture path: a worker class that taps the model in the runner (see engine/hook_worker.py)
+# ----------------------------------------------------------------------------------------------
+
+def platform_worker_class() -> type:
+    """vLLM's own worker class for this platform, which layertap's worker extends."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        return CPUWorker
+    if current_platform.is_cuda():
+        from vllm.v1.worker.gpu_worker import Worker
+
+        return Worker
+    raise UnsupportedVLLM(f"hook capture supports the CPU and CUDA platforms, not {current_platform.device_name!r}; "
+                          "use capture_path='extract'")
+
+
+class HookState:
+    """What the patched forward of one worker needs: the capture layer, its geometry, and a step count."""
+
+    def __init__(self, layer: Any, name: str, n_planes: int, hidden: int, plane_axis: int):
+        self.layer, self.name, self.n_planes, self.hidden, self.plane_axis = layer, name, n_planes, hidden, plane_axis
+        self.geo = None  # set on the first forward with a bound cache
+        self.writes = 0
+
+
+def install_capture_hook(runner: Any, vllm_config: Any) -> HookState:
+    """Make the loaded target model write its residual-stream rows into a cache-only KV layer.
+
+    Runs in each worker right after the model is loaded, before memory profiling, compilation and CUDA
+    graph capture, so the compiled graph already returns the extra outputs and the KV-cache spec includes
+    the capture layer (vLLM sizes and allocates its cache; prefix caching and preemption treat it like
+    any other layer). What it relies on, each checked here:
+      * the model implements vLLM's EAGLE-3 interface (``set_aux_hidden_state_layers``): its inner model
+        then returns ``(hidden, [residual stream at each layer id])``; layer id i is the output of
+        decoder layer i (0 = embeddings), the convention the ``extract`` path and HF share;
+      * ``CacheOnlyAttentionLayer`` from vLLM's ``extract_hidden_states`` model (a KV layer with a
+        ``HiddenStateCacheSpec`` and no attention);
+      * the forward context carries a per-layer ``slot_mapping`` dict during real steps.
+    The runner keeps seeing one output tensor: the patched forward returns the hidden states alone.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import get_forward_context
+    from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer, dummy_attention
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    from layertap.engine.cache_view import scatter_planes, view_geometry
+
+    layer_ids = capture_layer_ids(vllm_config)
+    if vllm_config.speculative_config is not None:
+        raise UnsupportedVLLM("hook capture runs without speculative decoding (the model's aux outputs are taken "
+                              "for capture); use capture_path='extract' to combine with a drafter")
+    if pp_size(vllm_config) != 1:
+        raise UnsupportedVLLM("layertap capture does not support pipeline parallelism (pp > 1)")
+    model = runner.get_model()
+    if not supports_eagle3(model) or not hasattr(model, "set_aux_hidden_state_layers"):
+        raise UnsupportedVLLM(f"{type(model).__name__} does not expose residual-stream outputs in this vLLM "
+                              "(no EAGLE-3 aux-hidden-state interface); layertap cannot tap it")
+    model.set_aux_hidden_state_layers(tuple(layer_ids))
+    inner = getattr(model, "model", None)
+    got = tuple(getattr(inner, "aux_hidden_state_layers", ()) or ())
+    if got != tuple(layer_ids):
+        raise UnsupportedVLLM(f"{type(model).__name__}: asked the model for layers {layer_ids}, it reports {got}")
+
+    n_layers = num_layers(vllm_config)
+    name = f"{HOOK_LAYER_PREFIX}.{n_layers}"
+    cache_config = vllm_config.cache_config
+    if str(cache_config.cache_dtype) not in ("auto", "bfloat16", "float16"):
+        from dataclasses import replace
+
+        cache_config = replace(cache_config, cache_dtype="auto")  # hidden states are kept unquantized
+    with set_current_vllm_config(vllm_config):
+        layer = CacheOnlyAttentionLayer(num_heads=len(layer_ids), head_size=hidden_size(vllm_config),
+                                        cache_config=cache_config, prefix=name)
+    layer.to(runner.device)
+    state = HookState(layer, name, len(layer_ids), hidden_size(vllm_config), capture_plane_axis(vllm_version()))
+    original = model.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        if not isinstance(out, tuple) or len(out) != 2 or not isinstance(out[1], list):
+            raise UnsupportedVLLM(f"{type(model).__name__}.forward returned {type(out).__name__}, not "
+                                  "(hidden_states, aux_hidden_states); this vLLM changed the aux interface")
+        hidden, aux = out
+        slot_mapping = get_forward_context().slot_mapping
+        if isinstance(slot_mapping, list):
+            raise UnsupportedVLLM("hook capture does not support micro-batching (per-ubatch slot mappings)")
+        slots = slot_mapping.get(name) if isinstance(slot_mapping, dict) else None
+        if slots is None:  # memory profiling / dummy runs before the KV cache exists: nothing to keep
+            return hidden
+        view = layer.kv_cache
+        if state.geo is None:
+            state.geo = view_geometry(tuple(view.shape), state.n_planes, state.hidden, plane_axis=state.plane_axis)
+        if len(aux) != state.n_planes:
+            raise UnsupportedVLLM(f"the model returned {len(aux)} residual-stream tensors for {state.n_planes} "
+                                  "layer ids")
+        scatter_planes(view, state.geo, slots, aux)
+        state.writes += 1
+        # The connector's save hook (first-step slot checks) runs as it does for vLLM's own cache layer.
+        dummy_attention(name, torch.empty(0, device=view.device, dtype=view.dtype))
+        return hidden
+
+    model.forward = forward
+    log.info("layertap hook: %s taps layers %s of %s into %s (%d planes of %d)", type(runner).__name__, layer_ids,
+             type(model).__name__, name, len(layer_ids), hidden_size(vllm_config))
+    return state
+
+
+def engine_defaults(v: str, on_cuda: bool, user_kwargs: dict[str, Any], path: str = "hook") -> dict[str, Any]:
     """Engine settings layertap needs on this vLLM, unless the user set them.
+
+    The hook path runs no speculative decoding: token positions cannot drift from what the worker
+    writes, and vLLM's own default (async scheduling on CUDA) stands. The rest of this note is about the
+    ``extract`` path.
 
     vLLM 0.25 on CUDA turns on async scheduling for ``extract_hidden_states``. With it, the scheduler's
     token positions run ahead of the positions the worker writes (a rejected dummy draft is corrected on
@@ -184,7 +334,7 @@ def engine_defaults(v: str, on_cuda: bool, user_kwargs: dict[str, Any]) -> dict[
     accepted for prompt-mode capture only (``check_generate_allowed``).
     """
     out: dict[str, Any] = {}
-    if v.startswith("0.25") and on_cuda and "async_scheduling" not in user_kwargs:
+    if path == "extract" and v.startswith("0.25") and on_cuda and "async_scheduling" not in user_kwargs:
         out["async_scheduling"] = False
     return out
 
@@ -194,9 +344,9 @@ def async_scheduling(llm: Any) -> bool:
     return bool(getattr(llm.llm_engine.vllm_config.scheduler_config, "async_scheduling", False))
 
 
-def check_generate_allowed(v: str, on_cuda: bool, is_async: bool) -> None:
+def check_generate_allowed(v: str, on_cuda: bool, is_async: bool, path: str = "hook") -> None:
     """Generate mode (decode rows) is refused where decode rows are known to come back unwritten."""
-    if v.startswith("0.25") and on_cuda and is_async:
+    if path == "extract" and v.startswith("0.25") and on_cuda and is_async:
         raise KnownVLLMBug(
             f"vLLM {v} on CUDA with async scheduling leaves the rows of the last generated tokens unwritten; "
             "generate mode needs a Tap started with async_scheduling=False (the default). Prompt mode is fine."
