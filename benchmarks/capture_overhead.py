@@ -6,11 +6,16 @@ capture call returns: they are counted (and each one's token digest proven by th
 
 Variants (``--variants``; the ratio column is ``capture`` over ``plain``, the others explain the gap):
     plain           vLLM as users run it (its default scheduling)
-    plain-sync      vLLM with async_scheduling=False (what capture runs with by default on vLLM 0.25/CUDA)
-    floor           vLLM's extract_hidden_states + the layertap connector, reading no rows (vLLM's own cost)
-    capture         layertap capture, records written in place in the shm pool (the default)
-    capture-staged  layertap capture, rows staged through a pinned buffer, then copied into the pool
-    capture-async   layertap capture with async_scheduling=True (allowed for prompt mode)
+    plain-sync      vLLM with async_scheduling=False
+    floor           the hook capture engine + the layertap connector, reading no rows (the cost of the
+                    model writing its rows into the capture layer)
+    capture         layertap capture (default: hook path, vLLM's default scheduling, records written in
+                    place in the shm pool)
+    capture-staged  capture, rows staged through a pinned buffer, then copied into the pool
+    capture-sync    capture with async_scheduling=False
+    floor-extract   as floor, through vLLM's extract_hidden_states (capture_path="extract")
+    capture-extract capture through extract_hidden_states (synchronous scheduling on vLLM 0.25/CUDA)
+    capture-extract-async  the same with async_scheduling=True (allowed for prompt mode)
 
     python benchmarks/capture_overhead.py                       # CPU: tiny model, small workload
     python benchmarks/capture_overhead.py --hidden 2048 --num-layers 16 --prompts 256 --prompt-len 1024 \
@@ -106,17 +111,18 @@ def bench_plain(model, data, args, **extra) -> dict[int, float]:
         shutdown(llm)
 
 
-def bench_floor(model, data, args) -> dict[int, float]:
-    """extract_hidden_states + the connector, which reports every save done without reading a row."""
+def bench_floor(model, data, args, path: str = "hook") -> dict[int, float]:
+    """The capture path's engine + the connector, which reports every save done without reading a row."""
     from vllm import LLM, SamplingParams
 
     from layertap.engine import compat
     from layertap.engine.connector import PARAMS_KEY
 
     v = compat.check_version()
-    kw = {**compat.engine_defaults(v, torch.cuda.is_available(), {}), **engine_kwargs(args)}
-    extra = {"transport": {"backend": "shm"}, "run_meta": {}, "skip_reads": True}
-    llm = LLM(model=str(model), speculative_config=compat.speculative_config(args.layers),
+    kw = {**compat.engine_defaults(v, torch.cuda.is_available(), {}, path), **engine_kwargs(args)}
+    extra = {"transport": {"backend": "shm"}, "run_meta": {}, "skip_reads": True, "capture_path": path,
+             "layer_ids": list(args.layers)}
+    llm = LLM(model=str(model), **compat.engine_capture_kwargs(path, args.layers, kw),
               kv_transfer_config=compat.kv_transfer_config(extra), **kw)
 
     def params_for(i):
@@ -166,7 +172,10 @@ VARIANTS = {
     "floor": bench_floor,
     "capture": lambda m, d, a: bench_capture(m, d, a),
     "capture-staged": lambda m, d, a: bench_capture(m, d, a, connector_options={"direct": False}),
-    "capture-async": lambda m, d, a: bench_capture(m, d, a, async_scheduling=True),
+    "capture-sync": lambda m, d, a: bench_capture(m, d, a, async_scheduling=False),
+    "floor-extract": lambda m, d, a: bench_floor(m, d, a, path="extract"),
+    "capture-extract": lambda m, d, a: bench_capture(m, d, a, capture_path="extract"),
+    "capture-extract-async": lambda m, d, a: bench_capture(m, d, a, capture_path="extract", async_scheduling=True),
 }
 
 

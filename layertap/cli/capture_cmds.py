@@ -33,6 +33,9 @@ def register(sub) -> None:
     p.add_argument("--transport", choices=available(), default="file",
                    help="where records go (file writes --out; shm/mooncake stream, and --out receives them)")
     p.add_argument("--max-inflight", type=int, default=None, help="bound on requests in flight (default: engine's)")
+    p.add_argument("--capture-path", choices=["hook", "extract"], default="hook",
+                   help="hook (default): the model runner writes the rows, no speculative decoding; extract: "
+                        "vLLM's extract_hidden_states method (an extra drafter step)")
     p.add_argument("--store-dtype", choices=["fp32", "fp16", "bf16", "fp8"], default=None,
                    help="store hidden states in this dtype (fp8 = e4m3 with a per-record scale); default: engine dtype")
     p.add_argument("--only-loss-masked", action="store_true",
@@ -90,7 +93,7 @@ def cmd_capture(args) -> int:
 
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     with Tap(model=args.model, layers=args.layers, transport=args.transport, transport_config=tcfg,
-             out=out if args.transport == "file" else None, max_inflight=args.max_inflight, **kw) as tap:
+             out=out if args.transport == "file" else None, max_inflight=args.max_inflight, capture_path=args.capture_path, **kw) as tap:
         sink = None
         if args.transport != "file":  # streamed: the consumer (this process) writes the dataset
             tap._write_dataset_manifest(out)

@@ -16,7 +16,7 @@ def engine_kwargs(argv: list[str]) -> dict[str, Any]:
     defaults = vars(parser.parse_args([]))
     ns = vars(parser.parse_args(argv))
     out = {k: v for k, v in ns.items() if v != defaults.get(k)}
-    for owned in ("model", "speculative_config", "kv_transfer_config"):
+    for owned in ("model", "speculative_config", "kv_transfer_config", "worker_cls"):
         if owned in out:
             raise SystemExit(f"layertap: --{owned.replace('_', '-')} is set by layertap itself; remove it")
     return out

@@ -35,6 +35,9 @@ def add_serve_parser(sub: Any) -> None:
                    "kv_transfer_params.layertap)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--capture-path", choices=("hook", "extract"), default="hook",
+                   help="hook (default): the model runner writes the rows, no speculative decoding; extract: "
+                        "vLLM's extract_hidden_states method")
     p.set_defaults(func=run_serve, accepts_engine_flags=True)
 
 
@@ -74,11 +77,14 @@ def server_argv(args: argparse.Namespace, tcfg: dict[str, Any], meta: dict[str, 
     from layertap.engine import compat
     from layertap.tap import owner_info
 
+    path = getattr(args, "capture_path", None) or "hook"
     extra = {"transport": tcfg, "run_meta": meta, "capture_all": bool(args.capture_all), "owner": owner_info(),
-             "default_mode": "generate"}
+             "default_mode": "generate", "capture_path": path, "layer_ids": list(ids)}
+    capture = compat.engine_capture_kwargs(path, ids, {})
+    flags = (["--speculative-config", json.dumps(capture["speculative_config"])] if "speculative_config" in capture
+             else ["--worker-cls", capture["worker_cls"]])
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", meta["model"],
-            "--host", args.host, "--port", str(args.port),
-            "--speculative-config", json.dumps(compat.speculative_config(ids)),
+            "--host", args.host, "--port", str(args.port), *flags,
             "--kv-transfer-config", json.dumps(compat.kv_transfer_config(extra)),
             *list(getattr(args, "engine_argv", []) or [])]
 

@@ -49,16 +49,23 @@ def workload():
     return varied, shared
 
 
-@pytest.mark.parametrize("mode", ["compiled", "eager"])
+@pytest.mark.parametrize("mode", ["compiled", "eager", "compiled-extract"])
 def test_capture_matches_hf_in_bf16(model, mode):
     """Compiled mode writes rows straight into the registered shm pool (the default); eager mode stages
-    them through pinned buffers (connector_options direct=False), so both record paths are checked."""
+    them through pinned buffers (connector_options direct=False), so both record paths are checked.
+    The hook capture path (default) runs with vLLM's default scheduling (async on 0.25/CUDA), generate
+    mode included; ``compiled-extract`` runs the same workload through vLLM's extract_hidden_states."""
     from vllm import SamplingParams
 
-    layers = [0, 1, 2, 4] if mode == "compiled" else [1, 2, 4]
-    opts = {} if mode == "compiled" else {"direct": False}
+    from layertap.engine.compat import async_scheduling
+
+    layers = [1, 2, 4] if mode == "eager" else [0, 1, 2, 4]
+    opts = {"direct": False} if mode == "eager" else {}
+    path = "extract" if mode.endswith("extract") else "hook"
     varied, shared = workload()
-    with Tap(model=model, layers=layers, enforce_eager=(mode == "eager"), connector_options=opts, **ENGINE) as tap:
+    with Tap(model=model, layers=layers, enforce_eager=(mode == "eager"), connector_options=opts,
+             capture_path=path, **ENGINE) as tap:
+        print(f"{mode}: capture path {path}, async scheduling {async_scheduling(tap.llm)}")
         recs = list(tap.capture(varied))
         recs += list(tap.capture(shared[:2])) + list(tap.capture(shared))  # second pass hits the prefix cache
         gen = list(tap.capture(random_prompts(16, [30, 300], seed=24), mode="generate",
@@ -69,11 +76,11 @@ def test_capture_matches_hf_in_bf16(model, mode):
     check(recs + gen, model)
 
 
-def test_prompt_mode_with_async_scheduling_matches_hf(model):
-    """async_scheduling=True is allowed for prompt mode (its rows end with the prompt) and refused for
-    generate mode on vLLM 0.25 (decode rows came back unwritten there)."""
+def test_extract_path_with_async_scheduling_prompt_mode_only(model):
+    """On the extract path, async_scheduling=True is allowed for prompt mode (its rows end with the prompt)
+    and refused for generate mode on vLLM 0.25 (decode rows came back unwritten there)."""
     varied, shared = workload()
-    with Tap(model=model, layers=[1, 2, 4], async_scheduling=True, **ENGINE) as tap:
+    with Tap(model=model, layers=[1, 2, 4], async_scheduling=True, capture_path="extract", **ENGINE) as tap:
         recs = list(tap.capture(varied)) + list(tap.capture(shared[:2])) + list(tap.capture(shared))
         with pytest.raises(KnownVLLMBug, match="generate mode needs"):
             list(tap.capture(varied[:2], mode="generate"))
