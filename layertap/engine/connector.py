@@ -293,6 +293,11 @@ class _WorkerSide:
         # Benchmark aid only (benchmarks/capture_overhead.py "floor"): saves are reported done without
         # reading any row, which measures what vLLM's extract_hidden_states costs by itself.
         self.skip_reads = bool(c._extra.get("skip_reads", False))
+        # Time the engine's step spends in layertap's per-step work (logged at close): what capture costs
+        # the worker's critical path.
+        self.busy_s = 0.0
+        self.calls = 0
+        self.saved = 0
 
     # ---- set-up ----
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -361,6 +366,14 @@ class _WorkerSide:
 
     # ---- finished requests ----
     def finished(self, meta: Any) -> set[str] | None:
+        t0 = time.perf_counter()
+        try:
+            return self._finished(meta)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+            self.calls += 1
+
+    def _finished(self, meta: Any) -> set[str] | None:
         if self.error is not None:
             raise RuntimeError(f"layertap writer failed: {self.error}") from self.error
         done: set[str] = set()
@@ -392,6 +405,7 @@ class _WorkerSide:
                 tensors["loss_mask"][a:b] = 1
 
     def _start_copy(self, job: SaveJob) -> None:
+        self.saved += 1
         if self.skip_reads:
             self.inflight[job.req_id] = None
             return
@@ -451,6 +465,9 @@ class _WorkerSide:
                 return
 
     def close(self) -> None:
+        if self.calls:
+            log.info("layertap worker: %d records started in %d steps; layertap's per-step work took %.3f s "
+                     "(%.3f ms per step)", self.saved, self.calls, self.busy_s, 1e3 * self.busy_s / self.calls)
         if self.writer is not None and self.writer.is_alive():
             self.jobs.put(None)
             self.writer.join(timeout=60)
