@@ -50,7 +50,7 @@ from layertap.engine.cache_view import (
     slots_for,
     view_geometry,
 )
-from layertap.engine.gpu_gather import gather_to_host, register_host, unregister_host
+from layertap.engine.gpu_gather import gather_many_to_host, gather_to_host, register_host, unregister_host
 from layertap.records import LAYER_SEMANTICS, token_digest
 from layertap.transport.base import get_transport
 
@@ -377,11 +377,12 @@ class _WorkerSide:
         if self.error is not None:
             raise RuntimeError(f"layertap writer failed: {self.error}") from self.error
         done: set[str] = set()
-        if isinstance(meta, LayertapMetadata):
-            for job in meta.saves:
-                if not self.rank0:
-                    continue
-                self._start_copy(job)
+        if isinstance(meta, LayertapMetadata) and self.rank0 and meta.saves:
+            if self.view.is_cuda and not self.skip_reads:
+                self._start_copies_cuda(meta.saves)
+            else:
+                for job in meta.saves:
+                    self._start_copy(job)
         for rid, ev in list(self.inflight.items()):
             if ev is None or ev.query():
                 del self.inflight[rid]
@@ -434,6 +435,43 @@ class _WorkerSide:
             ev, keep = None, None
         self.inflight[job.req_id] = ev
         self.jobs.put((job, host, ev, keep, res))  # blocks when the writer is behind: the engine slows, nothing drops
+
+    # The rows of one step's finished records are gathered together, in groups of at most this many bytes
+    # of device memory.
+    BATCH_BYTES = 512 << 20
+
+    def _start_copies_cuda(self, jobs: list[SaveJob]) -> None:
+        """All records of this step: reserve their transport memory, then one batched gather (per group)."""
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=self.view.device)
+        row_bytes = self.geo.n_planes * self.geo.hidden * self.view.element_size()
+        group: list[tuple[SaveJob, torch.Tensor, Any]] = []
+        size = 0
+        for job in jobs:
+            self.saved += 1
+            slots = slots_for(job.block_ids, self.c._block_size, 0, job.num_rows, request=job.req_id,
+                              num_manager_blocks=self.num_manager_blocks)
+            res = None
+            if self.direct:
+                specs, meta = self._record_layout(job)
+                res = self.sink.reserve(job.key, specs, meta)  # None: no free room right now -> staged
+                if res is not None:
+                    self._fill_small(res.tensors, job)
+            if group and size + job.num_rows * row_bytes > self.BATCH_BYTES:
+                self._gather_group(group)
+                group, size = [], 0
+            group.append((job, slots, res))
+            size += job.num_rows * row_bytes
+        if group:
+            self._gather_group(group)
+
+    def _gather_group(self, group: list[tuple[SaveJob, torch.Tensor, Any]]) -> None:
+        dsts = [res.tensors["hidden_states"] if res is not None else None for _, _, res in group]
+        hosts, ev, keep = gather_many_to_host(self.view, self.geo, [s for _, s, _ in group], self.stream, dsts)
+        for (job, _, res), host in zip(group, hosts):
+            self.inflight[job.req_id] = ev
+            # blocks when the writer is behind: the engine slows, nothing drops
+            self.jobs.put((job, None if res is not None else host, ev, keep, res))
 
     def _write_loop(self) -> None:
         while True:

@@ -49,6 +49,33 @@ def gather_to_host(view: torch.Tensor, geo: ViewGeometry, slots: torch.Tensor, s
     return host, done, (host_slots, rows)
 
 
+def gather_many_to_host(view: torch.Tensor, geo: ViewGeometry, slot_lists: list[torch.Tensor],
+                        side: "torch.cuda.Stream", dsts: list[torch.Tensor | None]):
+    """``gather_to_host`` for the records of one engine step at once: one event pair, one index upload
+    and one gather kernel for all of them, then one device-to-host copy per record (into its ``dst`` when
+    given, else a fresh pinned buffer). Same stream discipline. Returns (hosts, completion event, keep-alive).
+
+    Per-record CUDA calls cost the worker's step thread ~1 ms per record on the H200 (events, pinned index
+    buffer, upload, gather launches); batching them is what keeps capture off the engine's critical path."""
+    ready = torch.cuda.Event()
+    ready.record()
+    side.wait_event(ready)
+    host_slots = torch.cat(slot_lists).pin_memory()
+    with torch.cuda.stream(side):
+        dev_slots = host_slots.to(view.device, non_blocking=True)
+        rows = gather_rows(view, geo, dev_slots)
+        hosts, a = [], 0
+        for slots, dst in zip(slot_lists, dsts):
+            b = a + slots.shape[0]
+            host = torch.empty((b - a, *rows.shape[1:]), dtype=rows.dtype, pin_memory=True) if dst is None else dst
+            host.copy_(rows[a:b], non_blocking=True)
+            hosts.append(host)
+            a = b
+    done = torch.cuda.Event()
+    done.record(side)
+    return hosts, done, (host_slots, rows)
+
+
 def register_host(region: torch.Tensor) -> str | None:
     """Page-lock an existing host buffer (e.g. a shared-memory pool) for direct device-to-host copies.
     Returns ``None`` on success, else the driver's error (the caller then stages through pinned memory)."""

@@ -5,7 +5,7 @@ request's rows, so this test would catch a regression of the connector's stream 
 import torch
 
 from layertap.engine.cache_view import slots_for, view_geometry
-from layertap.engine.gpu_gather import gather_to_host
+from layertap.engine.gpu_gather import gather_many_to_host, gather_to_host
 
 PLANES, HIDDEN, BS, BLOCKS = 3, 256, 16, 64
 DELAY = 200_000_000  # GPU cycles the side stream sleeps before gathering (~0.1 s)
@@ -42,6 +42,22 @@ def test_gather_waits_for_the_forward_streams_writes():
     host, done, _keep = gather_to_host(view, geo, mine, side)
     done.synchronize()
     assert torch.equal(host, fresh.cpu())
+
+
+def test_batched_gather_waits_for_writes_and_splits_records_right():
+    """The connector's per-step path: several records in one gather, one into a given host buffer."""
+    view, geo, mine, other, a, b = setup()
+    side = torch.cuda.Stream()
+    fresh = torch.randn_like(a)
+    torch.cuda._sleep(DELAY)
+    view[(mine // BS).cuda(), :, (mine % BS).cuda()] = fresh
+    dst = torch.empty(other.numel(), PLANES, HIDDEN, pin_memory=True)
+    hosts, done, _keep = gather_many_to_host(view, geo, [mine, other[:7], other], side, [None, None, dst])
+    junk = adversary(other)
+    done.synchronize()
+    del junk
+    assert torch.equal(hosts[0], fresh.cpu()) and torch.equal(hosts[1], b[:7].cpu())
+    assert hosts[2] is dst and torch.equal(dst, b.cpu())
 
 
 def test_index_tensor_on_side_stream_survives_allocator_reuse():

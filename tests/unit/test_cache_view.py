@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from layertap.engine.cache_view import (
+    scatter_planes,
     BlockCoverageError,
     CacheLayoutError,
     GroupInfo,
@@ -160,3 +161,27 @@ def test_block_size_from_view_would_be_wrong():
     right = slots_for(blocks, manager_bs, 0, 40)
     wrong = slots_for(blocks, kernel_bs, 0, 32)
     assert right[:32].tolist() != wrong.tolist()
+
+
+@pytest.mark.parametrize("plane_axis", [1, 2])
+def test_scatter_planes_is_the_inverse_of_gather_rows_and_drops_padding(plane_axis):
+    """The hook path writes each captured layer's rows by slot; reading by the same slots returns them, in
+    both layouts, including a kernel block size smaller than the manager's; padding (-1) goes to block 0."""
+    planes, hidden, view_bs, blocks = 3, 8, 4, 10
+    shape = (blocks, planes, view_bs, hidden) if plane_axis == 1 else (blocks, view_bs, planes, hidden)
+    view = torch.zeros(shape)
+    geo = view_geometry(shape, planes, hidden, plane_axis=plane_axis)
+    slots = slots_for([3, 1, 4], 8, 0, 21)  # manager block size 8 = 2 kernel blocks of 4
+    rows = [torch.randn(len(slots) + 2, hidden) for _ in range(planes)]  # the model input is padded by 2
+    padded = torch.cat([slots, torch.tensor([-1, -1])])
+    scatter_planes(view, geo, padded[: len(slots) + 1], rows)
+    got = gather_rows(view, geo, slots)
+    assert torch.equal(got, torch.stack([r[: len(slots)] for r in rows], dim=1))
+    # the padding row went to block 0, which no request owns; every other block untouched
+    owned = {int(s) // view_bs for s in slots}
+    for b in range(blocks):
+        blk = view[b]
+        if b not in owned and b != 0:
+            assert not blk.any()
+    with pytest.raises(CacheLayoutError, match="planes"):
+        scatter_planes(view, geo, slots, rows[:2])
