@@ -1,4 +1,4 @@
-"""The KV connector that turns vLLM's ``extract_hidden_states`` rows into layertap records.
+"""The KV connector that turns the captured hidden-state rows (hook path or vLLM's ``extract_hidden_states``) into layertap records.
 
 Loaded by vLLM through ``kv_connector_module_path``; vLLM builds one instance per side.
 
@@ -291,7 +291,7 @@ class _WorkerSide:
         self.direct = bool(c._extra.get("direct", True)) and not self.compact_cfg
         self.pinned_region: torch.Tensor | None = None
         # Benchmark aid only (benchmarks/capture_overhead.py "floor"): saves are reported done without
-        # reading any row, which measures what vLLM's extract_hidden_states costs by itself.
+        # reading any row, which measures what the capture path costs the engine by itself.
         self.skip_reads = bool(c._extra.get("skip_reads", False))
         # Time the engine's step spends in layertap's per-step work (logged at close): what capture costs
         # the worker's critical path.

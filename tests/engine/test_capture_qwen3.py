@@ -132,3 +132,35 @@ def test_leaving_a_capture_early_does_not_confuse_the_next(tap, model):
     recs = list(tap.capture(random_prompts(6, [50], seed=10)))
     assert sorted(r.index for r in recs) == list(range(6))
     assert_all_match(first + recs, model)
+
+
+def test_default_hook_path_runs_without_speculative_decoding(tap):
+    cfg = tap.llm.llm_engine.vllm_config
+    assert tap.capture_path == "hook"
+    assert cfg.speculative_config is None
+    assert cfg.parallel_config.worker_cls == "layertap.engine.hook_worker.LayertapWorker"
+
+
+def test_extract_path_records_match_hf_too(model):
+    """The other capture path (vLLM's extract_hidden_states) on the same workload shapes: concurrency,
+    chunked prefill, prefix-sharing prompts."""
+    inputs = random_prompts(10, [3, 64, 300], seed=31)
+    shared = [{"token_ids": inputs[2]["token_ids"] + p["token_ids"]} for p in random_prompts(4, [5, 40], seed=32)]
+    with Tap(model=model, layers=LAYERS, capture_path="extract", **{**BASE, "max_model_len": 512},
+             max_num_batched_tokens=128, enable_prefix_caching=True) as t:
+        assert t.llm.llm_engine.vllm_config.speculative_config.method == "extract_hidden_states"
+        recs = list(t.capture(inputs)) + list(t.capture(shared))
+    assert len(recs) == 14
+    assert_all_match(recs, model)
+
+
+def test_capture_path_settings_are_checked():
+    from layertap.engine import compat
+
+    with pytest.raises(ValueError, match="unknown capture path"):
+        compat.engine_capture_kwargs("hooks", [1], {})
+    with pytest.raises(ValueError, match="worker_cls is set by layertap"):
+        compat.engine_capture_kwargs("hook", [1], {"worker_cls": "my.Worker"})
+    with pytest.raises(ValueError, match="speculative_config is set by layertap"):
+        compat.engine_capture_kwargs("extract", [1], {"speculative_config": {"method": "ngram"}})
+    assert compat.engine_capture_kwargs("hook", [1], {"worker_cls": "auto"}) == {"worker_cls": compat.HOOK_WORKER}
