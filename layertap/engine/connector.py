@@ -50,7 +50,7 @@ from layertap.engine.cache_view import (
     slots_for,
     view_geometry,
 )
-from layertap.engine.gpu_gather import gather_many_to_host, gather_to_host, register_host, unregister_host
+from layertap.engine.gpu_gather import gather_many_to_host, register_host, unregister_host
 from layertap.records import LAYER_SEMANTICS, token_digest
 from layertap.transport.base import get_transport
 
@@ -406,35 +406,25 @@ class _WorkerSide:
                 tensors["loss_mask"][a:b] = 1
 
     def _start_copy(self, job: SaveJob) -> None:
+        """One record on the CPU (the copy is done when this returns); CUDA goes through _start_copies_cuda."""
         self.saved += 1
         if self.skip_reads:
             self.inflight[job.req_id] = None
             return
         slots = slots_for(job.block_ids, self.c._block_size, 0, job.num_rows, request=job.req_id,
                           num_manager_blocks=self.num_manager_blocks)
-        view = self.view
-        if view.is_cuda and self.stream is None:
-            self.stream = torch.cuda.Stream(device=view.device)
         res = None
         if self.direct:
             specs, meta = self._record_layout(job)
             res = self.sink.reserve(job.key, specs, meta)  # None: no free room right now -> staged path
+        host = None
         if res is not None:
             self._fill_small(res.tensors, job)
-            dst = res.tensors["hidden_states"]
-            if view.is_cuda:
-                _, ev, keep = gather_to_host(view, self.geo, slots, self.stream, dst=dst)
-            else:
-                dst.copy_(gather_rows(view, self.geo, slots))
-                ev, keep = None, None
-            host = None
-        elif view.is_cuda:
-            host, ev, keep = gather_to_host(view, self.geo, slots, self.stream)
+            res.tensors["hidden_states"].copy_(gather_rows(self.view, self.geo, slots))
         else:
-            host = gather_rows(view, self.geo, slots)  # advanced indexing copies: rows are ours now
-            ev, keep = None, None
-        self.inflight[job.req_id] = ev
-        self.jobs.put((job, host, ev, keep, res))  # blocks when the writer is behind: the engine slows, nothing drops
+            host = gather_rows(self.view, self.geo, slots)  # advanced indexing copies: rows are ours now
+        self.inflight[job.req_id] = None
+        self.jobs.put((job, host, None, None, res))  # blocks when the writer is behind: the engine slows, nothing drops
 
     # The rows of one step's finished records are gathered together, in groups of at most this many bytes
     # of device memory.
