@@ -124,11 +124,22 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     if args.ray_engines:
         return _train_ray(cfg, args.ray_engines, args.resume)
+    from layertap.pipeline.run import INTERRUPTED
+
+    def interrupt(*_: object) -> None:
+        INTERRUPTED.set()  # checked between phases too, in case a library swallows the exception
+        raise KeyboardInterrupt
+
     # SIGTERM takes the same clean path as Ctrl-C (KeyboardInterrupt unwinds every `finally`).
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         rep = run(cfg, resume=args.resume)
-    except KeyboardInterrupt:
+    except BaseException as e:
+        if not (isinstance(e, KeyboardInterrupt) or INTERRUPTED.is_set()):
+            raise
+        # Also when the interrupt surfaced as another error (e.g. the evaluation child, which got the same
+        # Ctrl-C, failing): the user asked to stop.
         print("layertap train: interrupted; engine stopped, shared memory freed. Resume with "
               f"`layertap train --out {cfg.out} --resume`", file=sys.stderr)
         return 130

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,16 @@ PROGRESS = "progress.json"
 class RunExists(FileExistsError):
     """``--out`` already holds a run; resume it or choose another directory."""
 
+
+INTERRUPTED = threading.Event()
+"""Set by ``layertap train``'s SIGINT/SIGTERM handler. A KeyboardInterrupt can be lost where a library
+catches it (seen once in CI: a Ctrl-C sent after the records had all arrived was lost, and the run went
+on to export and evaluate); the run also checks this flag between phases and at every step, so Ctrl-C always stops it."""
+
+
+def check_interrupted() -> None:
+    if INTERRUPTED.is_set():
+        raise KeyboardInterrupt
 
 def _write_json(path: Path, obj: Any) -> None:
     tmp = path.with_suffix(".tmp")
@@ -84,6 +95,7 @@ class Loop:
         for b, _ in batches(self._tracked(records), t.batch_size, aux, last, t.max_len):
             if tr.step >= tr.tcfg.max_steps:
                 break
+            check_interrupted()
             m = tr.train_step(b)
             # Every record pulled so far is in this batch (or was skipped as too short): consumed.
             self.consumed.update(self.pulled)
@@ -150,13 +162,16 @@ def run(cfg: PipelineConfig, *, resume: bool = False) -> dict[str, Any]:
             loop.run(mgr.records())
         finally:
             mgr.close()  # engine down and transport freed before evaluation engines start
+        check_interrupted()
         if tr.step == 0:
             raise RuntimeError(f"no optimizer step ran: {mgr.rates.consumed} records arrived "
                                f"({len(mgr.rates.rejected)} inputs rejected)")
         ckpt = loop.save()
         tr.finish()
         drafters = export_step(cfg, tr, out, "final")
+        check_interrupted()
         final = evals.final(tr.step, drafters) if cfg.eval.enabled else {}
+        check_interrupted()
         return write_report(out, cfg, plan, tr, mgr.rates, evals, final, wall_s=time.monotonic() - wall0,
                             checkpoint=ckpt)
     finally:
