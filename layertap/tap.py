@@ -109,6 +109,7 @@ class Tap:
         self.version = compat.check_version()
         self.target = TargetInfo.load(model)
         self.layers = self.target.check_layer_ids(layers)
+        compat.check_model_tappable(self.target.config.get("architectures"), self.target.config.get("model_type"))
         self.check_first = check_first
         self.post_norm_last = post_norm_last
         """Analysis API: apply the model's final norm to layer id N in ``generate`` results."""

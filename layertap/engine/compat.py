@@ -228,6 +228,38 @@ def platform_worker_class() -> type:
                           "use capture_path='extract'")
 
 
+def check_model_tappable(architectures: list[str] | None, model_type: str | None = None) -> str | None:
+    """Refuse, before an engine starts, a model whose vLLM implementation cannot hand out its residual
+    stream (both capture paths need vLLM's EAGLE-3 aux-hidden-state interface). Returns the architecture
+    checked, or ``None`` when vLLM's registry does not name it (vLLM may still run it through its
+    Transformers backend; the worker-side check then decides).
+
+    Loading the model class imports its vLLM module in this process. vLLM itself inspects model classes in
+    a subprocess on CUDA machines so the parent does not initialize CUDA before it starts workers; this
+    check follows suit by running only where that cannot happen (no CUDA device, or CUDA already
+    initialized). Elsewhere the same check runs in the worker (``install_capture_hook``) and fails the
+    engine's start-up with the same message."""
+    if torch.cuda.is_available() and not torch.cuda.is_initialized():
+        return None
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    known = set(ModelRegistry.get_supported_archs())
+    for arch in architectures or []:
+        if arch not in known:
+            continue
+        cls = ModelRegistry._try_load_model_cls(arch)
+        if cls is None:
+            continue
+        if supports_eagle3(cls) and hasattr(cls, "set_aux_hidden_state_layers"):
+            return arch
+        raise UnsupportedVLLM(
+            f"model architecture {arch} (model_type {model_type!r}): vLLM {vllm_version()}'s {cls.__name__} does not "
+            "expose its residual stream (no EAGLE-3 aux-hidden-state interface), so layertap cannot tap it. "
+            "Architectures that do include LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM")
+    return None
+
+
 class HookState:
     """What the patched forward of one worker needs: the capture layer, its geometry, and a step count."""
 

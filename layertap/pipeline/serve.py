@@ -68,6 +68,7 @@ def run_meta(model: str, layers: list[int]) -> tuple[dict[str, Any], list[int]]:
 
     t = TargetInfo.load(model)
     ids = t.check_layer_ids(layers)
+    compat.check_model_tappable(t.config.get("architectures"), t.config.get("model_type"))
     return {"model": str(t.path), "config_hash": t.config_hash, "vllm_version": compat.check_version(),
             "layer_semantics": LAYER_SEMANTICS, "num_hidden_layers": t.num_layers, "hidden_size": t.hidden_size,
             "format_version": 1, "source": "serve"}, ids

@@ -164,3 +164,17 @@ def test_capture_path_settings_are_checked():
     with pytest.raises(ValueError, match="speculative_config is set by layertap"):
         compat.engine_capture_kwargs("extract", [1], {"speculative_config": {"method": "ngram"}})
     assert compat.engine_capture_kwargs("hook", [1], {"worker_cls": "auto"}) == {"worker_cls": compat.HOOK_WORKER}
+
+
+def test_a_model_vllm_cannot_tap_is_refused_by_name_before_the_engine_starts(tmp_path):
+    """OPT runs in vLLM but its implementation has no residual-stream (EAGLE-3 aux) outputs."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from layertap.engine.compat import UnsupportedVLLM
+
+    cfg = OPTConfig(hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=2, vocab_size=64,
+                    max_position_embeddings=64, word_embed_proj_dim=32)
+    OPTForCausalLM(cfg).save_pretrained(tmp_path / "opt")
+    with pytest.raises(UnsupportedVLLM, match="OPTForCausalLM.*cannot tap it"):
+        Tap(model=tmp_path / "opt", layers=[1, 2], transport="file", out=tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing written for a run that cannot start
