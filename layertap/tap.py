@@ -103,8 +103,7 @@ class Tap:
         ``rec.release()`` when done); by default streamed records are private copies. ``capture_path``:
         "hook" (default; the model runner's forward writes the rows, no speculative decoding) or
         "extract" (vLLM's ``extract_hidden_states`` speculative method); see ``engine/compat.py``."""
-        if capture_path not in compat.CAPTURE_PATHS:
-            raise ValueError(f"unknown capture_path {capture_path!r}; expected one of {compat.CAPTURE_PATHS}")
+        compat.check_capture_path(capture_path)
         self.capture_path = capture_path
         self.version = compat.check_version()
         self.target = TargetInfo.load(model)
@@ -173,6 +172,8 @@ class Tap:
 
         kw = {**compat.engine_defaults(self.version, on_cuda, kw, self.capture_path), **kw}
         capture_kw = compat.engine_capture_kwargs(self.capture_path, self.layers, kw)
+        for k in ("speculative_config", "worker_cls"):
+            kw.pop(k, None)  # only None or "auto" get here (engine_capture_kwargs refuses the rest)
         if not on_cuda and "kv_cache_memory_bytes" not in kw and "gpu_memory_utilization" not in kw:
             kw["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_BYTES
         extra = {"transport": self.transport_cfg, "run_meta": self.run_meta,

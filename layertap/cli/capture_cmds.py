@@ -93,7 +93,8 @@ def cmd_capture(args) -> int:
 
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     with Tap(model=args.model, layers=args.layers, transport=args.transport, transport_config=tcfg,
-             out=out if args.transport == "file" else None, max_inflight=args.max_inflight, capture_path=args.capture_path, **kw) as tap:
+             out=out if args.transport == "file" else None, max_inflight=args.max_inflight,
+             capture_path=args.capture_path, **kw) as tap:
         sink = None
         if args.transport != "file":  # streamed: the consumer (this process) writes the dataset
             tap._write_dataset_manifest(out)

@@ -59,6 +59,11 @@ HOOK_WORKER = "layertap.engine.hook_worker.LayertapWorker"
 HOOK_LAYER_PREFIX = "layertap.cache_only_layers"  # contains cache_view.CAPTURE_LAYER_MARK
 
 
+def check_capture_path(path: str) -> None:
+    if path not in CAPTURE_PATHS:
+        raise ValueError(f"unknown capture path {path!r}; expected one of {CAPTURE_PATHS}")
+
+
 def engine_capture_kwargs(path: str, layer_ids: list[int], user_kwargs: dict[str, Any]) -> dict[str, Any]:
     """The ``LLM(...)`` arguments that switch capture on, for either path.
 
@@ -69,8 +74,7 @@ def engine_capture_kwargs(path: str, layer_ids: list[int], user_kwargs: dict[str
     same kind of layer through a dummy drafter (an extra forward and a draft slot per step).
     Both fill a ``HiddenStateCacheSpec`` group that the connector reads the same way.
     """
-    if path not in CAPTURE_PATHS:
-        raise ValueError(f"unknown capture path {path!r}; expected one of {CAPTURE_PATHS}")
+    check_capture_path(path)
     for k in ("speculative_config", "worker_cls"):
         if user_kwargs.get(k) not in (None, "auto"):
             raise ValueError(f"{k} is set by layertap's capture (path {path!r}); it cannot be given as well")
@@ -228,6 +232,13 @@ def platform_worker_class() -> type:
                           "use capture_path='extract'")
 
 
+def _exposes_residual_stream(model: Any) -> bool:
+    """Whether a vLLM model (class or instance) implements the EAGLE-3 aux-hidden-state interface."""
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    return bool(supports_eagle3(model)) and hasattr(model, "set_aux_hidden_state_layers")
+
+
 def check_model_tappable(architectures: list[str] | None, model_type: str | None = None) -> str | None:
     """Refuse, before an engine starts, a model whose vLLM implementation cannot hand out its residual
     stream (both capture paths need vLLM's EAGLE-3 aux-hidden-state interface). Returns the architecture
@@ -242,7 +253,6 @@ def check_model_tappable(architectures: list[str] | None, model_type: str | None
     if torch.cuda.is_available() and not torch.cuda.is_initialized():
         return None
     from vllm.model_executor.models import ModelRegistry
-    from vllm.model_executor.models.interfaces import supports_eagle3
 
     known = set(ModelRegistry.get_supported_archs())
     for arch in architectures or []:
@@ -251,7 +261,7 @@ def check_model_tappable(architectures: list[str] | None, model_type: str | None
         cls = ModelRegistry._try_load_model_cls(arch)
         if cls is None:
             continue
-        if supports_eagle3(cls) and hasattr(cls, "set_aux_hidden_state_layers"):
+        if _exposes_residual_stream(cls):
             return arch
         raise UnsupportedVLLM(
             f"model architecture {arch} (model_type {model_type!r}): vLLM {vllm_version()}'s {cls.__name__} does not "
@@ -260,16 +270,7 @@ def check_model_tappable(architectures: list[str] | None, model_type: str | None
     return None
 
 
-class HookState:
-    """What the patched forward of one worker needs: the capture layer, its geometry, and a step count."""
-
-    def __init__(self, layer: Any, name: str, n_planes: int, hidden: int, plane_axis: int):
-        self.layer, self.name, self.n_planes, self.hidden, self.plane_axis = layer, name, n_planes, hidden, plane_axis
-        self.geo = None  # set on the first forward with a bound cache
-        self.writes = 0
-
-
-def install_capture_hook(runner: Any, vllm_config: Any) -> HookState:
+def install_capture_hook(runner: Any, vllm_config: Any) -> None:
     """Make the loaded target model write its residual-stream rows into a cache-only KV layer.
 
     Runs in each worker right after the model is loaded, before memory profiling, compilation and CUDA
@@ -287,7 +288,6 @@ def install_capture_hook(runner: Any, vllm_config: Any) -> HookState:
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import get_forward_context
     from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer, dummy_attention
-    from vllm.model_executor.models.interfaces import supports_eagle3
 
     from layertap.engine.cache_view import scatter_planes, view_geometry
 
@@ -298,7 +298,7 @@ def install_capture_hook(runner: Any, vllm_config: Any) -> HookState:
     if pp_size(vllm_config) != 1:
         raise UnsupportedVLLM("layertap capture does not support pipeline parallelism (pp > 1)")
     model = runner.get_model()
-    if not supports_eagle3(model) or not hasattr(model, "set_aux_hidden_state_layers"):
+    if not _exposes_residual_stream(model):
         raise UnsupportedVLLM(f"{type(model).__name__} does not expose residual-stream outputs in this vLLM "
                               "(no EAGLE-3 aux-hidden-state interface); layertap cannot tap it")
     model.set_aux_hidden_state_layers(tuple(layer_ids))
@@ -318,10 +318,12 @@ def install_capture_hook(runner: Any, vllm_config: Any) -> HookState:
         layer = CacheOnlyAttentionLayer(num_heads=len(layer_ids), head_size=hidden_size(vllm_config),
                                         cache_config=cache_config, prefix=name)
     layer.to(runner.device)
-    state = HookState(layer, name, len(layer_ids), hidden_size(vllm_config), capture_plane_axis(vllm_version()))
+    n_planes, width, plane_axis = len(layer_ids), hidden_size(vllm_config), capture_plane_axis(vllm_version())
+    geo = None  # the capture layer's geometry, read on the first forward with a bound cache
     original = model.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        nonlocal geo
         out = original(*args, **kwargs)
         if not isinstance(out, tuple) or len(out) != 2 or not isinstance(out[1], list):
             raise UnsupportedVLLM(f"{type(model).__name__}.forward returned {type(out).__name__}, not "
@@ -334,21 +336,16 @@ def install_capture_hook(runner: Any, vllm_config: Any) -> HookState:
         if slots is None:  # memory profiling / dummy runs before the KV cache exists: nothing to keep
             return hidden
         view = layer.kv_cache
-        if state.geo is None:
-            state.geo = view_geometry(tuple(view.shape), state.n_planes, state.hidden, plane_axis=state.plane_axis)
-        if len(aux) != state.n_planes:
-            raise UnsupportedVLLM(f"the model returned {len(aux)} residual-stream tensors for {state.n_planes} "
-                                  "layer ids")
-        scatter_planes(view, state.geo, slots, aux)
-        state.writes += 1
+        if geo is None:
+            geo = view_geometry(tuple(view.shape), n_planes, width, plane_axis=plane_axis)
+        scatter_planes(view, geo, slots, aux)  # raises, with numbers, if the model returned other planes
         # The connector's save hook (first-step slot checks) runs as it does for vLLM's own cache layer.
         dummy_attention(name, torch.empty(0, device=view.device, dtype=view.dtype))
         return hidden
 
     model.forward = forward
     log.info("layertap hook: %s taps layers %s of %s into %s (%d planes of %d)", type(runner).__name__, layer_ids,
-             type(model).__name__, name, len(layer_ids), hidden_size(vllm_config))
-    return state
+             type(model).__name__, name, n_planes, width)
 
 
 def engine_defaults(v: str, on_cuda: bool, user_kwargs: dict[str, Any], path: str = "hook") -> dict[str, Any]:

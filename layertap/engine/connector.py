@@ -1,4 +1,5 @@
-"""The KV connector that turns the captured hidden-state rows (hook path or vLLM's ``extract_hidden_states``) into layertap records.
+"""The KV connector that turns captured hidden-state rows (the hook path, or vLLM's
+``extract_hidden_states``) into layertap records.
 
 Loaded by vLLM through ``kv_connector_module_path``; vLLM builds one instance per side.
 
@@ -405,26 +406,33 @@ class _WorkerSide:
             for a, b in job.meta["loss_spans"]:
                 tensors["loss_mask"][a:b] = 1
 
-    def _start_copy(self, job: SaveJob) -> None:
-        """One record on the CPU (the copy is done when this returns); CUDA goes through _start_copies_cuda."""
+    def _prepare(self, job: SaveJob) -> tuple[torch.Tensor, Any]:
+        """The record's slots, and its transport memory reserved and filled but for the rows (``None``: no
+        free room right now, or a transport without ``reserve``: the rows are staged instead)."""
         self.saved += 1
-        if self.skip_reads:
-            self.inflight[job.req_id] = None
-            return
         slots = slots_for(job.block_ids, self.c._block_size, 0, job.num_rows, request=job.req_id,
                           num_manager_blocks=self.num_manager_blocks)
         res = None
         if self.direct:
             specs, meta = self._record_layout(job)
-            res = self.sink.reserve(job.key, specs, meta)  # None: no free room right now -> staged path
-        host = None
+            res = self.sink.reserve(job.key, specs, meta)
+            if res is not None:
+                self._fill_small(res.tensors, job)
+        return slots, res
+
+    def _start_copy(self, job: SaveJob) -> None:
+        """One record on the CPU (the copy is done when this returns); CUDA goes through _start_copies_cuda."""
+        if self.skip_reads:
+            self.saved += 1
+            self.inflight[job.req_id] = None
+            return
+        slots, res = self._prepare(job)
+        rows = gather_rows(self.view, self.geo, slots)  # advanced indexing copies: rows are ours now
         if res is not None:
-            self._fill_small(res.tensors, job)
-            res.tensors["hidden_states"].copy_(gather_rows(self.view, self.geo, slots))
-        else:
-            host = gather_rows(self.view, self.geo, slots)  # advanced indexing copies: rows are ours now
+            res.tensors["hidden_states"].copy_(rows)
         self.inflight[job.req_id] = None
-        self.jobs.put((job, host, None, None, res))  # blocks when the writer is behind: the engine slows, nothing drops
+        # blocks when the writer is behind: the engine slows, nothing drops
+        self.jobs.put((job, None if res is not None else rows, None, None, res))
 
     # The rows of one step's finished records are gathered together, in groups of at most this many bytes
     # of device memory.
@@ -438,15 +446,7 @@ class _WorkerSide:
         group: list[tuple[SaveJob, torch.Tensor, Any]] = []
         size = 0
         for job in jobs:
-            self.saved += 1
-            slots = slots_for(job.block_ids, self.c._block_size, 0, job.num_rows, request=job.req_id,
-                              num_manager_blocks=self.num_manager_blocks)
-            res = None
-            if self.direct:
-                specs, meta = self._record_layout(job)
-                res = self.sink.reserve(job.key, specs, meta)  # None: no free room right now -> staged
-                if res is not None:
-                    self._fill_small(res.tensors, job)
+            slots, res = self._prepare(job)
             if group and size + job.num_rows * row_bytes > self.BATCH_BYTES:
                 self._gather_group(group)
                 group, size = [], 0

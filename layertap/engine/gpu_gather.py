@@ -12,24 +12,38 @@ Stream discipline (the bug class peers shipped: capture indices allocated on the
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from layertap.engine.cache_view import ViewGeometry, gather_rows
 
 
 def gather_to_host(view: torch.Tensor, geo: ViewGeometry, slots: torch.Tensor, side: "torch.cuda.Stream", *,
-                   dst: torch.Tensor | None = None, index_on_side_stream: bool = True, delay_cycles: int = 0):
-    """Queue the gather of ``slots`` on ``side``; returns (host rows, completion event, keep-alive).
+                   dst: torch.Tensor | None = None, **test_only: Any):
+    """One record: ``gather_many_to_host`` with a single slot list; returns (host rows, event, keep-alive)."""
+    hosts, done, keep = gather_many_to_host(view, geo, [slots], side, [dst], **test_only)
+    return hosts[0], done, keep
 
-    ``dst``: page-locked host memory to land the rows in (e.g. a registered shared-memory slot, so the
-    record needs no further copy); by default a fresh pinned buffer. ``index_on_side_stream=False`` and
+
+def gather_many_to_host(view: torch.Tensor, geo: ViewGeometry, slot_lists: list[torch.Tensor],
+                        side: "torch.cuda.Stream", dsts: list[torch.Tensor | None], *,
+                        index_on_side_stream: bool = True, delay_cycles: int = 0):
+    """Queue the gather of the records of one engine step on ``side``: one event pair, one index upload and
+    one gather kernel for all of them, then one device-to-host copy per record. Returns (host rows per
+    record, completion event, keep-alive).
+
+    ``dsts[i]``: page-locked host memory to land record i in (e.g. a registered shared-memory slot, so the
+    record needs no further copy); ``None``: a fresh pinned buffer. Per-record CUDA calls cost the worker's
+    step thread ~1 ms per record on the H200 (events, pinned index buffer, upload, gather launches);
+    batching them keeps capture off the engine's critical path. ``index_on_side_stream=False`` and
     ``delay_cycles`` exist only so a test can show what goes wrong with the index tensor on the wrong
     stream (the connector never passes them).
     """
     ready = torch.cuda.Event()
     ready.record()  # on the forward stream: everything queued so far, including the rows' writes
     side.wait_event(ready)
-    host_slots = slots.pin_memory()
+    host_slots = torch.cat(slot_lists).pin_memory()
     if index_on_side_stream:
         with torch.cuda.stream(side):
             dev_slots = host_slots.to(view.device, non_blocking=True)
@@ -40,30 +54,6 @@ def gather_to_host(view: torch.Tensor, geo: ViewGeometry, slots: torch.Tensor, s
         if delay_cycles:
             torch.cuda._sleep(delay_cycles)
         rows = gather_rows(view, geo, dev_slots)
-        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True) if dst is None else dst
-        host.copy_(rows, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record(side)
-    # The pinned source of the H2D copy and the device rows must outlive the copies; the caller holds
-    # these until ``done``.
-    return host, done, (host_slots, rows)
-
-
-def gather_many_to_host(view: torch.Tensor, geo: ViewGeometry, slot_lists: list[torch.Tensor],
-                        side: "torch.cuda.Stream", dsts: list[torch.Tensor | None]):
-    """``gather_to_host`` for the records of one engine step at once: one event pair, one index upload
-    and one gather kernel for all of them, then one device-to-host copy per record (into its ``dst`` when
-    given, else a fresh pinned buffer). Same stream discipline. Returns (hosts, completion event, keep-alive).
-
-    Per-record CUDA calls cost the worker's step thread ~1 ms per record on the H200 (events, pinned index
-    buffer, upload, gather launches); batching them is what keeps capture off the engine's critical path."""
-    ready = torch.cuda.Event()
-    ready.record()
-    side.wait_event(ready)
-    host_slots = torch.cat(slot_lists).pin_memory()
-    with torch.cuda.stream(side):
-        dev_slots = host_slots.to(view.device, non_blocking=True)
-        rows = gather_rows(view, geo, dev_slots)
         hosts, a = [], 0
         for slots, dst in zip(slot_lists, dsts):
             b = a + slots.shape[0]
@@ -73,6 +63,8 @@ def gather_many_to_host(view: torch.Tensor, geo: ViewGeometry, slot_lists: list[
             a = b
     done = torch.cuda.Event()
     done.record(side)
+    # The pinned source of the H2D copy and the device rows must outlive the copies; the caller holds
+    # these until ``done``.
     return hosts, done, (host_slots, rows)
 
 

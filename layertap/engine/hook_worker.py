@@ -13,4 +13,4 @@ _Base: Any = compat.platform_worker_class()
 class LayertapWorker(_Base):  # type: ignore[misc, valid-type]
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
-        self.layertap_hook = compat.install_capture_hook(self.model_runner, self.vllm_config)
+        compat.install_capture_hook(self.model_runner, self.vllm_config)

@@ -39,12 +39,14 @@ class RunExists(FileExistsError):
 INTERRUPTED = threading.Event()
 """Set by ``layertap train``'s SIGINT/SIGTERM handler. A KeyboardInterrupt can be lost where a library
 catches it (seen once in CI: a Ctrl-C sent after the records had all arrived was lost, and the run went
-on to export and evaluate); the run also checks this flag between phases and at every step, so Ctrl-C always stops it."""
+on to export and evaluate); the run also checks this flag between phases and at every step, so Ctrl-C
+always stops it."""
 
 
 def check_interrupted() -> None:
     if INTERRUPTED.is_set():
         raise KeyboardInterrupt
+
 
 def _write_json(path: Path, obj: Any) -> None:
     tmp = path.with_suffix(".tmp")
