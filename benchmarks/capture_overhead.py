@@ -1,7 +1,9 @@
 """Capture overhead: the same prefill workload through plain vLLM, through vLLM with layertap capture, and
 through an HF transformers second pass (what users do without layertap). One process, one run.
 
-Prints tokens/s of each and the ratios, per in-flight batch size. Records must be complete when the
+Prints tokens/s of each and the ratios, per in-flight batch size. By default all variants' engines are
+alive at once and measured in interleaved rounds (``--repeats``), so a ratio compares runs minutes apart
+at most, on the same machine state; ``--separate`` runs one variant after the other instead. Records must be complete when the
 capture call returns: they are counted (and each one's token digest proven by the Tap).
 
 Variants (``--variants``; the ratio column is ``capture`` over ``plain``, the others explain the gap):
@@ -28,6 +30,7 @@ import argparse
 import gc
 import json
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,93 +93,123 @@ def shutdown(llm) -> None:
         torch.cuda.empty_cache()
 
 
-def _rates(engine, data, args, params_for) -> dict[int, float]:
-    drive(engine, data[: max(args.batch_sizes)], max(args.batch_sizes), params_for)  # warm-up
-    out = {}
-    for b in args.batch_sizes:
-        t0 = time.perf_counter()
-        n = drive(engine, data, b, params_for)
-        out[b] = n / (time.perf_counter() - t0)
-    return out
+class Plain:
+    """vLLM as users run it, driven request by request through ``LLMEngine``."""
 
+    def __init__(self, model, data, args, **extra):
+        from vllm import LLM, SamplingParams
 
-def bench_plain(model, data, args, **extra) -> dict[int, float]:
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=str(model), **engine_kwargs(args), **extra)
-    sp = SamplingParams(max_tokens=1, temperature=0.0)
-    try:
-        return _rates(llm.llm_engine, data, args, lambda i: sp)
-    finally:
-        shutdown(llm)
-
-
-def bench_floor(model, data, args, path: str = "hook") -> dict[int, float]:
-    """The capture path's engine + the connector, which reports every save done without reading a row."""
-    from vllm import LLM, SamplingParams
-
-    from layertap.engine import compat
-    from layertap.engine.connector import PARAMS_KEY
-
-    v = compat.check_version()
-    kw = {**compat.engine_defaults(v, torch.cuda.is_available(), {}, path), **engine_kwargs(args)}
-    extra = {"transport": {"backend": "shm"}, "run_meta": {}, "skip_reads": True, "capture_path": path,
-             "layer_ids": list(args.layers)}
-    llm = LLM(model=str(model), **compat.engine_capture_kwargs(path, args.layers, kw),
-              kv_transfer_config=compat.kv_transfer_config(extra), **kw)
-
-    def params_for(i):
+        self.data = data
+        self.llm = LLM(model=str(model), **engine_kwargs(args), **extra)
         sp = SamplingParams(max_tokens=1, temperature=0.0)
-        sp.extra_args = {"kv_transfer_params": {PARAMS_KEY: {"index": i, "mode": "prompt", "run": "floor"}}}
-        return sp
+        self.params_for = lambda i: sp
 
-    try:
-        return _rates(llm.llm_engine, data, args, params_for)
-    finally:
-        shutdown(llm)
+    def rate(self, inflight: int, data=None) -> float:
+        data = self.data if data is None else data
+        t0 = time.perf_counter()
+        n = drive(self.llm.llm_engine, data, inflight, self.params_for)
+        return n / (time.perf_counter() - t0)
+
+    def close(self) -> None:
+        shutdown(self.llm)
 
 
-def bench_capture(model, data, args, **extra) -> dict[int, float]:
-    from layertap.tap import Tap
+class Floor(Plain):
+    """The capture path's engine + the connector, which reports every save done without reading a row."""
 
-    out = {}
-    tap = Tap(model=model, layers=args.layers, transport=args.transport,
-              transport_config={"slot_bytes": args.slot_mb << 20, "num_slots": args.shm_slots, "checksum": args.checksum}
-              if args.transport == "shm" else None,
-              out=args.out if args.transport == "file" else None, zero_copy=args.transport == "shm",
-              **engine_kwargs(args), **extra)
-    try:
-        inputs = [{"token_ids": ids} for ids in data]
-        tap.max_inflight = max(args.batch_sizes)
-        for rec in tap.capture(inputs[: max(args.batch_sizes)]):  # warm-up
+    def __init__(self, model, data, args, path: str = "hook"):
+        from vllm import LLM, SamplingParams
+
+        from layertap.engine import compat
+        from layertap.engine.connector import PARAMS_KEY
+
+        self.data = data
+        v = compat.check_version()
+        kw = {**compat.engine_defaults(v, torch.cuda.is_available(), {}, path), **engine_kwargs(args)}
+        extra = {"transport": {"backend": "shm"}, "run_meta": {}, "skip_reads": True, "capture_path": path,
+                 "layer_ids": list(args.layers)}
+        with compat.engine_env_set(compat.engine_env(torch.cuda.is_available(), kw)):
+            self.llm = LLM(model=str(model), **compat.engine_capture_kwargs(path, args.layers, kw),
+                           kv_transfer_config=compat.kv_transfer_config(extra), **kw)
+
+        def params_for(i):
+            sp = SamplingParams(max_tokens=1, temperature=0.0)
+            sp.extra_args = {"kv_transfer_params": {PARAMS_KEY: {"index": i, "mode": "prompt", "run": "floor"}}}
+            return sp
+
+        self.params_for = params_for
+
+
+class Capture:
+    """layertap capture through the Tap: every record is counted and its token digest proven."""
+
+    def __init__(self, model, data, args, **extra):
+        from layertap.tap import Tap
+
+        self.inputs = [{"token_ids": ids} for ids in data]
+        self.prompt_len = args.prompt_len
+        self.tap = Tap(model=model, layers=args.layers, transport=args.transport,
+                       transport_config={"slot_bytes": args.slot_mb << 20, "num_slots": args.shm_slots,
+                                         "checksum": args.checksum} if args.transport == "shm" else None,
+                       out=args.out if args.transport == "file" else None, zero_copy=args.transport == "shm",
+                       **engine_kwargs(args), **extra)
+
+    def rate(self, inflight: int, data=None) -> float:
+        inputs = self.inputs if data is None else [{"token_ids": ids} for ids in data]
+        self.tap.max_inflight = inflight
+        t0 = time.perf_counter()
+        count = 0
+        for rec in self.tap.capture(inputs):
+            count += 1
             rec.release()
-        for b in args.batch_sizes:
-            tap.max_inflight = b
-            t0 = time.perf_counter()
-            count = 0
-            for rec in tap.capture(inputs):
-                count += 1
-                rec.release()
-            dt = time.perf_counter() - t0
-            if count != len(inputs):
-                raise SystemExit(f"capture returned {count} records for {len(inputs)} requests")
-            out[b] = len(inputs) * args.prompt_len / dt
-    finally:
-        tap.close()
-    return out
+        dt = time.perf_counter() - t0
+        if count != len(inputs):
+            raise SystemExit(f"capture returned {count} records for {len(inputs)} requests")
+        return sum(len(x["token_ids"]) for x in inputs) / dt
+
+    def close(self) -> None:
+        self.tap.close()
 
 
 VARIANTS = {
-    "plain": lambda m, d, a: bench_plain(m, d, a),
-    "plain-sync": lambda m, d, a: bench_plain(m, d, a, async_scheduling=False),
-    "floor": bench_floor,
-    "capture": lambda m, d, a: bench_capture(m, d, a),
-    "capture-staged": lambda m, d, a: bench_capture(m, d, a, connector_options={"direct": False}),
-    "capture-sync": lambda m, d, a: bench_capture(m, d, a, async_scheduling=False),
-    "floor-extract": lambda m, d, a: bench_floor(m, d, a, path="extract"),
-    "capture-extract": lambda m, d, a: bench_capture(m, d, a, capture_path="extract"),
-    "capture-extract-async": lambda m, d, a: bench_capture(m, d, a, capture_path="extract", async_scheduling=True),
+    "plain": lambda m, d, a: Plain(m, d, a),
+    "plain-sync": lambda m, d, a: Plain(m, d, a, async_scheduling=False),
+    "floor": lambda m, d, a: Floor(m, d, a),
+    "capture": lambda m, d, a: Capture(m, d, a),
+    "capture-staged": lambda m, d, a: Capture(m, d, a, connector_options={"direct": False}),
+    "capture-sync": lambda m, d, a: Capture(m, d, a, async_scheduling=False),
+    "floor-extract": lambda m, d, a: Floor(m, d, a, path="extract"),
+    "capture-extract": lambda m, d, a: Capture(m, d, a, capture_path="extract"),
+    "capture-extract-async": lambda m, d, a: Capture(m, d, a, capture_path="extract", async_scheduling=True),
 }
+
+
+def measure(variants: list[str], model, data, args) -> dict[str, dict[int, list[float]]]:
+    """tokens/s of every (variant, batch size), ``args.repeats`` times.
+
+    Paired (the default): every variant's engine is alive at once, and one round measures each batch size
+    on every engine back to back (the order rotates each round), so slow drift of the machine (clocks,
+    other tenants) hits all variants alike and ratios are taken within a round. Separate
+    (``len(variants) == 1``): one engine, its rounds in a row."""
+    runners = {}
+    try:
+        for v in variants:
+            runners[v] = VARIANTS[v](model, data, args)
+        for r in runners.values():  # warm-up: every batch size's shapes once, on a slice of the data
+            for b in args.batch_sizes:
+                r.rate(b, data[: max(b, min(len(data), 2 * b))])
+        out: dict[str, dict[int, list[float]]] = {v: {b: [] for b in args.batch_sizes} for v in variants}
+        for rnd in range(args.repeats):
+            for b in args.batch_sizes:
+                k = (rnd + args.batch_sizes.index(b)) % len(variants)
+                for v in variants[k:] + variants[:k]:
+                    out[v][b].append(runners[v].rate(b))
+                    print(f"  round {rnd + 1}/{args.repeats} in-flight {b:>3} {v:>22}: {out[v][b][-1]:>10.0f} tok/s",
+                          flush=True)
+        return out
+    finally:
+        for r in runners.values():
+            r.close()
 
 
 @torch.no_grad()
@@ -224,7 +257,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (default: compiled)")
-    ap.add_argument("--gpu-mem", type=float, default=0.35)
+    ap.add_argument("--gpu-mem", type=float, default=None,
+                    help="gpu_memory_utilization of each engine (default 0.35, or 0.8 / number of variants when paired)")
     ap.add_argument("--transport", default="shm", choices=["shm", "file"])
     ap.add_argument("--checksum", default="none",
                     help="shm payload checksum (crc32|sum64|none; the token digest is always checked)")
@@ -237,10 +271,11 @@ def main() -> None:
     ap.add_argument("--variants", type=lambda s: s.split(","), default=["plain", "capture"],
                     help=f"comma-separated, from {list(VARIANTS)}; must include plain and capture")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF second pass")
-    ap.add_argument("--in-process", action="store_true",
-                    help="run every variant in this process (default: one child process per variant; on the H200 "
-                         "an engine started in the same process after a closed capture engine hung at start-up)")
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: "VARIANT:RESULT.json"
+    ap.add_argument("--repeats", type=int, default=3, help="rounds over all batch sizes (default 3)")
+    ap.add_argument("--separate", action="store_true",
+                    help="one child process per variant, measured one after the other (default: paired, all "
+                         "engines alive in one child process, measured in interleaved rounds)")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: "V1,V2:RESULT.json"
     args = ap.parse_args()
     n = args.num_layers
     args.layers = args.layers or sorted({1, max(1, n // 2), max(1, n - 3), n})
@@ -249,45 +284,55 @@ def main() -> None:
             raise SystemExit(f"unknown variant {v!r}; expected some of {list(VARIANTS)}")
     if "plain" not in args.variants:
         raise SystemExit("--variants must include plain (every ratio is over plain)")
+    if args.gpu_mem is None:  # paired: every engine lives at once and needs its share of the GPU
+        args.gpu_mem = 0.35 if args.separate else min(0.35, 0.8 / len(args.variants))
     model = build_model(args)
     data = prompts(args)
     if args.child:
-        v, path = args.child.split(":", 1)
-        Path(path).write_text(json.dumps(VARIANTS[v](model, data, args)))
+        vs, path = args.child.split(":", 1)
+        Path(path).write_text(json.dumps(measure(vs.split(","), model, data, args)))
         return
-    res = {}
-    for v in args.variants:
-        print(f"--- {v}", flush=True)
-        if args.in_process:
-            res[v] = VARIANTS[v](model, data, args)
-        else:
-            with tempfile.TemporaryDirectory() as tmp:
-                out = Path(tmp) / "result.json"
-                rc = subprocess.call([sys.executable, __file__, *sys.argv[1:], "--child", f"{v}:{out}"])
-                if rc != 0 or not out.exists():
-                    raise SystemExit(f"variant {v} failed (exit {rc})")
-                res[v] = {int(b): r for b, r in json.loads(out.read_text()).items()}
-        print(f"--- {v}: " + ", ".join(f"{b}: {r:.0f} tok/s" for b, r in res[v].items()), flush=True)
+    # Engines run in child processes (on the H200 an engine started in the same process after a closed
+    # capture engine hung at start-up), so this process never holds an engine.
+    groups = [[v] for v in args.variants] if args.separate else [list(args.variants)]
+    res: dict[str, dict[int, list[float]]] = {}
+    for group in groups:
+        print(f"--- {', '.join(group)}", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "result.json"
+            rc = subprocess.call([sys.executable, __file__, *sys.argv[1:], "--child", f"{','.join(group)}:{out}"])
+            if rc != 0 or not out.exists():
+                raise SystemExit(f"variants {group} failed (exit {rc})")
+            for v, by_b in json.loads(out.read_text()).items():
+                res[v] = {int(b): rates for b, rates in by_b.items()}
     hf = bench_hf(model, data, args) if not args.no_hf else float("nan")
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"\ncapture overhead on {dev}: {args.prompts} x {args.prompt_len}-token prefill, hidden {args.hidden}, "
           f"{n} layers, {args.dtype}, {'eager' if args.eager else 'compiled'}, layers {args.layers}, "
-          f"transport {args.transport}, tensor parallel {args.tp}")
-    if "capture" not in res:
-        for v in args.variants:
-            print(f"{v}: " + ", ".join(f"{b}: {res[v][b]:.0f} tok/s ({res[v][b] / res['plain'][b]:.2f})" for b in args.batch_sizes))
-        return
-    others = [v for v in args.variants if v not in ("plain", "capture")]
-    print(f"{'in-flight':>9} {'plain tok/s':>12} {'capture tok/s':>14} {'ratio':>6} {'vs HF':>6}"
-          + "".join(f" {v + ' (ratio)':>24}" for v in others))
+          f"transport {args.transport}, tensor parallel {args.tp}; {args.repeats} rounds, "
+          f"{'separate processes, one variant after another' if args.separate else 'paired (engines side by side, interleaved)'}")
+    print("tokens/s: median over rounds; ratio: median over rounds of (variant / plain) "
+          + ("in the same round" if not args.separate else "of the round with the same number") + ", [min-max]")
     rows = []
+    others = [v for v in args.variants if v != "plain"]
+    print(f"{'in-flight':>9} {'plain tok/s':>12}" + "".join(f" {v:>30}" for v in others)
+          + ("  capture vs HF" if "capture" in res else ""))
     for b in args.batch_sizes:
-        plain, cap = res["plain"][b], res["capture"][b]
-        r = {"batch": b, "plain": plain, "capture": cap, "ratio": cap / plain, "vs_hf": cap / hf,
-             **{v: res[v][b] for v in others}}
-        rows.append(r)
-        print(f"{b:>9} {plain:>12.0f} {cap:>14.0f} {r['ratio']:>6.2f} {r['vs_hf']:>5.1f}x"
-              + "".join(f" {res[v][b]:>15.0f} ({res[v][b] / plain:.2f})" for v in others))
+        plain = res["plain"][b]
+        row = {"batch": b, "plain": statistics.median(plain), "plain_rounds": plain}
+        line = f"{b:>9} {row['plain']:>12.0f}"
+        for v in others:
+            ratios = [x / y for x, y in zip(res[v][b], plain)]
+            row[v] = statistics.median(res[v][b])
+            row[f"{v}_rounds"] = res[v][b]
+            row[f"{v}_ratio"] = statistics.median(ratios)
+            row[f"{v}_ratio_range"] = [min(ratios), max(ratios)]
+            line += f" {row[v]:>10.0f} {row[f'{v}_ratio']:>5.2f} [{min(ratios):.2f}-{max(ratios):.2f}]".rjust(31)
+        if "capture" in res:
+            row["ratio"], row["vs_hf"] = row["capture_ratio"], row["capture"] / hf
+            line += f"  {row['vs_hf']:>5.1f}x"
+        rows.append(row)
+        print(line)
     print(f"HF transformers second pass (batch {args.hf_batch}, layers copied to host): {hf:.0f} tok/s")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": dev, "args": vars(args), "rows": rows, "hf": hf}, indent=1))

@@ -187,12 +187,13 @@ class Tap:
             raise ValueError(f"unknown connector_options {sorted(unknown)}; known: direct, writer_queue")
         extra.update(opts)
         kw.setdefault("disable_log_stats", False)
-        return LLM(
-            model=str(self.target.path),
-            **capture_kw,
-            kv_transfer_config=compat.kv_transfer_config(extra),
-            **kw,
-        )
+        with compat.engine_env_set(compat.engine_env(on_cuda, kw)):
+            return LLM(
+                model=str(self.target.path),
+                **capture_kw,
+                kv_transfer_config=compat.kv_transfer_config(extra),
+                **kw,
+            )
 
     def check_generate_allowed(self) -> None:
         compat.check_generate_allowed(self.version, torch.cuda.is_available(), compat.async_scheduling(self.llm),
@@ -274,8 +275,10 @@ class Tap:
         running = 0
         stall_since: float | None = None
         last_progress = time.monotonic()
-        while queue or running or expect:
-            while queue and self._can_admit(running, len(expect)):
+
+        def admit() -> int:
+            n = 0
+            while queue and self._can_admit(running + n, len(expect)):
                 it = queue.pop()
                 self._n_req += 1
                 rid = f"{self.run}-{it.index}-{self._n_req}"
@@ -284,7 +287,11 @@ class Tap:
                 p.extra_args = {**(p.extra_args or {}), "kv_transfer_params": {PARAMS_KEY: params}}
                 engine.add_request(rid, TokensPrompt(prompt_token_ids=it.token_ids), p)
                 by_req[rid] = it
-                running += 1
+                n += 1
+            return n
+
+        while queue or running or expect:
+            running += admit()
             if running:
                 try:
                     outs = engine.step()
@@ -303,6 +310,9 @@ class Tap:
                     it = by_req.pop(out.request_id)
                     expect.update(self._expected(out, it, mode))
                     last_progress = time.monotonic()
+                # Refill before handing records out: the engine works on the next requests while the
+                # caller consumes records (at 1 in flight it would otherwise sit idle meanwhile).
+                running += admit()
             # Wait for records only when there is nothing else to do: no request running and none to admit
             # (else a record in flight would hold up the next request's admission).
             idle = not running and not (queue and self._can_admit(running, len(expect)))

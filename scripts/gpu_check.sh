@@ -4,8 +4,9 @@
 #   bash scripts/gpu_check.sh tests   # CUDA capture correctness (eager + compiled, bf16 vs HF), stream
 #                                      # safety, layer-0 bug detection, tensor parallel 2 if 2 GPUs
 #   bash scripts/gpu_check.sh bench   # capture overhead (hidden 2048, 16 layers, batch 1..64; plain, capture and
-#                                      # floor and capture-extract; BENCH_VARIANTS=... picks others (see the
-#                                      # benchmark docstring) + trainer MFU (SKIP_TRAIN_BENCH=1: skip)
+#                                      # floor engines side by side, BENCH_REPEATS (3) interleaved rounds;
+#                                      # BENCH_VARIANTS=... picks others (see the benchmark docstring))
+#                                      # + trainer MFU (SKIP_TRAIN_BENCH=1: skip)
 #   bash scripts/gpu_check.sh bench-tp2   # the overhead ratio with tensor parallel 2 (two GPUs)
 # Results and logs go to $OUT (the device tool's return folder) or ./gpu-results.
 set -uo pipefail
@@ -34,8 +35,8 @@ fi
 bench_args="--hidden 2048 --num-layers 16 --head-dim 128 --vocab 2048 --prompts 256 --prompt-len 1024 --dtype bfloat16 $bench_transport"
 if [ "$phase" = bench ] || [ "$phase" = all ]; then
   CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} python3 benchmarks/capture_overhead.py $bench_args --batch-sizes 1,4,16,64 \
-    --variants ${BENCH_VARIANTS:-plain,capture,floor,capture-extract} \
-    --json "$OUT/capture_overhead.json" 2>&1 | tee "$OUT/capture_overhead.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING" | tail -14
+    --variants ${BENCH_VARIANTS:-plain,capture,floor} --repeats ${BENCH_REPEATS:-3} \
+    --json "$OUT/capture_overhead.json" 2>&1 | tee "$OUT/capture_overhead.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING" | tail -24
   rc=$(( rc | PIPESTATUS[0] ))
   if [ -f benchmarks/train_throughput.py ] && [ -z "${SKIP_TRAIN_BENCH:-}" ]; then
     python3 benchmarks/train_throughput.py 2>&1 | tee "$OUT/train_throughput.log" | tail -8
@@ -44,8 +45,8 @@ if [ "$phase" = bench ] || [ "$phase" = all ]; then
 fi
 if [ "$phase" = bench-tp2 ] || { [ "$phase" = all ] && [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; }; then
   python3 benchmarks/capture_overhead.py $bench_args --batch-sizes 1,16,64 --tp 2 --no-hf \
-    --variants ${BENCH_TP2_VARIANTS:-plain,capture} \
-    --json "$OUT/capture_overhead_tp2.json" 2>&1 | tee "$OUT/capture_overhead_tp2.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING" | tail -10
+    --variants ${BENCH_TP2_VARIANTS:-plain,capture} --repeats ${BENCH_REPEATS:-3} \
+    --json "$OUT/capture_overhead_tp2.json" 2>&1 | tee "$OUT/capture_overhead_tp2.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING" | tail -16
   rc=$(( rc | PIPESTATUS[0] ))
 fi
 exit $rc

@@ -7,7 +7,9 @@ call these helpers. Each helper raises ``UnsupportedVLLM`` with names when what 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -98,6 +100,41 @@ def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
         "kv_role": "kv_producer",
         "kv_connector_extra_config": extra,
     }
+
+
+CPU_RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+def engine_env(on_cuda: bool, kw: dict[str, Any], environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment variables a capture engine needs set before it starts (empty on CUDA).
+
+    vLLM's CPU backend reserves one more core for the engine when any KV connector is configured (meant
+    for NIXL's transfer thread), and on a small machine that leaves the worker bound to fewer cores than
+    its OpenMP thread count: on the 2-core CI machine the worker got OMP_NUM_THREADS=2 on one core, and
+    every multi-threaded CPU op then spin-waited against the step's own thread (hook engine at 0.34 of
+    plain per request on a tiny model; 0.6 after this). layertap's connector needs no core of its own
+    (its writer thread sleeps on events), so capture engines reserve what vLLM reserves without a connector:
+    one core per local worker. A value the user set wins."""
+    environ = os.environ if environ is None else environ
+    if on_cuda or CPU_RESERVED_ENV in environ:
+        return {}
+    workers = int(kw.get("tensor_parallel_size") or 1) * int(kw.get("pipeline_parallel_size") or 1)
+    return {CPU_RESERVED_ENV: str(workers)}
+
+
+@contextlib.contextmanager
+def engine_env_set(env: dict[str, str]):
+    """Set ``env`` in this process while an engine starts (its processes inherit it), then restore."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def capture_plane_axis(v: str) -> int:

@@ -323,7 +323,9 @@ class ShmSource(Source):
             if taken:
                 return self._deliver(taken)
             now = time.monotonic()
-            if now >= self._next_liveness or now >= deadline:
+            # Peers are checked at most every _LIVENESS_EVERY s: a caller polling with timeout 0 in its
+            # own loop (the Tap, between engine steps) must not pay a /proc scan per call.
+            if now >= self._next_liveness:
                 self._next_liveness = now + _LIVENESS_EVERY
                 self._check_writers()
             if now >= deadline:

@@ -1,0 +1,35 @@
+"""Engine start-up settings layertap applies around vLLM (no engine started here; the engine tests run
+every capture engine with them)."""
+
+import os
+
+from layertap.engine import compat
+from layertap.pipeline.serve import _flag_value
+
+
+def test_cpu_capture_engine_reserves_one_core_per_worker():
+    assert compat.engine_env(False, {}, environ={}) == {compat.CPU_RESERVED_ENV: "1"}
+    assert compat.engine_env(False, {"tensor_parallel_size": 2}, environ={}) == {compat.CPU_RESERVED_ENV: "2"}
+    assert compat.engine_env(False, {"tensor_parallel_size": "2", "pipeline_parallel_size": 2},
+                             environ={}) == {compat.CPU_RESERVED_ENV: "4"}
+
+
+def test_user_setting_and_cuda_are_left_alone():
+    assert compat.engine_env(False, {}, environ={compat.CPU_RESERVED_ENV: "3"}) == {}
+    assert compat.engine_env(True, {}, environ={}) == {}
+
+
+def test_engine_env_set_restores_the_environment(monkeypatch):
+    monkeypatch.delenv("LAYERTAP_TEST_A", raising=False)
+    monkeypatch.setenv("LAYERTAP_TEST_B", "old")
+    with compat.engine_env_set({"LAYERTAP_TEST_A": "1", "LAYERTAP_TEST_B": "new"}):
+        assert os.environ["LAYERTAP_TEST_A"] == "1" and os.environ["LAYERTAP_TEST_B"] == "new"
+    assert "LAYERTAP_TEST_A" not in os.environ and os.environ["LAYERTAP_TEST_B"] == "old"
+
+
+def test_flag_value_reads_both_spellings():
+    assert _flag_value(["--max-model-len", "64", "--tensor-parallel-size", "2"], ("--tensor-parallel-size", "-tp")) == "2"
+    assert _flag_value(["--tensor-parallel-size=4"], ("--tensor-parallel-size", "-tp")) == "4"
+    assert _flag_value(["-tp", "2"], ("--tensor-parallel-size", "-tp")) == "2"
+    assert _flag_value(["--tensor-parallel-size"], ("--tensor-parallel-size",)) is None
+    assert _flag_value([], ("--tensor-parallel-size",)) is None
