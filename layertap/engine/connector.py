@@ -6,14 +6,17 @@ Loaded by vLLM through ``kv_connector_module_path``; vLLM builds one instance pe
 Scheduler side (engine-core process):
     build_connector_meta(out)      -> per step: finished requests to save, and (first steps) slot checks
     request_finished_all_groups()  -> a request with layertap params finished: queue its save, keep its
-                                      blocks (return True) until the worker has copied the rows out
+                                      blocks (return True) until the worker reports the rows read; this
+                                      also keeps the engine stepping until the save reached the worker
     get_num_new_matched_tokens / update_state_after_alloc: store-only, nothing to load
 Worker side (each worker process; only TP rank 0 reads and writes):
     register_kv_caches()           -> find the capture layer's view, its geometry; log it; check it
     save_kv_layer()                -> on the first steps: the slots this step wrote must include the
                                       slots we compute for the scheduled tokens of each request
     get_finished()                 -> gather rows of finished requests by their own block ids, hand them
-                                      to the writer thread; report blocks free once rows are copied out
+                                      to the writer thread; report the blocks free in the same call (on
+                                      CPU the rows are copied by then; on CUDA they are in a private
+                                      device buffer and the forward stream waits for that gather)
     wait_for_save / start_load_kv / wait_for_layer_load: no-ops
 
 Rows of a finished request are read by *that request's own block ids* (as the scheduler hands them to
@@ -23,6 +26,7 @@ rows are in the blocks the request's tokens live in. Which rows: positions ``[0,
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -281,11 +285,14 @@ class _WorkerSide:
         self.view: torch.Tensor | None = None
         self.rank0 = True
         self.sink = None
-        self.inflight: dict[str, Any] = {}  # req_id -> CUDA event (or None on CPU: copy is done)
+        self.released: set[str] = set()  # requests whose rows are read (or safely gathered): blocks may go
         self.jobs: queue.Queue = queue.Queue(maxsize=int(c._extra.get("writer_queue", 64)))
         self.error: BaseException | None = None
         self.writer: threading.Thread | None = None
         self.stream = None
+        self.copy_stream = None
+        self.staged: collections.deque = collections.deque()  # (host-copy event, device bytes) per gather
+        self.staged_bytes = 0
         self.checked = 0
         # Records are laid out in transport memory and filled in place when the transport can (shm): on
         # CUDA the device-to-host copy lands in the registered pool, no staging buffer, no host memcpy.
@@ -312,6 +319,7 @@ class _WorkerSide:
         self.num_manager_blocks = self.geo.num_blocks // self.ratio
         self.view = view
         self.layer_name = name
+        self.row_bytes = self.geo.n_planes * self.geo.hidden * view.element_size()
         log.info(
             "layertap worker: capture layer %s; hidden-state group %d, manager block size %d; view shape %s "
             "strides %s dtype %s device %s; plane axis %d, view block size %d (%d kernel blocks per manager "
@@ -377,17 +385,13 @@ class _WorkerSide:
     def _finished(self, meta: Any) -> set[str] | None:
         if self.error is not None:
             raise RuntimeError(f"layertap writer failed: {self.error}") from self.error
-        done: set[str] = set()
         if isinstance(meta, LayertapMetadata) and self.rank0 and meta.saves:
             if self.view.is_cuda and not self.skip_reads:
                 self._start_copies_cuda(meta.saves)
             else:
                 for job in meta.saves:
                     self._start_copy(job)
-        for rid, ev in list(self.inflight.items()):
-            if ev is None or ev.query():
-                del self.inflight[rid]
-                done.add(rid)
+        done, self.released = self.released, set()
         return done or None
 
     def _record_layout(self, job: SaveJob) -> tuple[dict[str, tuple], dict[str, Any]]:
@@ -424,13 +428,13 @@ class _WorkerSide:
         """One record on the CPU (the copy is done when this returns); CUDA goes through _start_copies_cuda."""
         if self.skip_reads:
             self.saved += 1
-            self.inflight[job.req_id] = None
+            self.released.add(job.req_id)
             return
         slots, res = self._prepare(job)
         rows = gather_rows(self.view, self.geo, slots)  # advanced indexing copies: rows are ours now
         if res is not None:
             res.tensors["hidden_states"].copy_(rows)
-        self.inflight[job.req_id] = None
+        self.released.add(job.req_id)
         # blocks when the writer is behind: the engine slows, nothing drops
         self.jobs.put((job, None if res is not None else rows, None, None, res))
 
@@ -442,7 +446,8 @@ class _WorkerSide:
         """All records of this step: reserve their transport memory, then one batched gather (per group)."""
         if self.stream is None:
             self.stream = torch.cuda.Stream(device=self.view.device)
-        row_bytes = self.geo.n_planes * self.geo.hidden * self.view.element_size()
+            self.copy_stream = torch.cuda.Stream(device=self.view.device)
+        row_bytes = self.row_bytes
         group: list[tuple[SaveJob, torch.Tensor, Any]] = []
         size = 0
         for job in jobs:
@@ -457,11 +462,29 @@ class _WorkerSide:
 
     def _gather_group(self, group: list[tuple[SaveJob, torch.Tensor, Any]]) -> None:
         dsts = [res.tensors["hidden_states"] if res is not None else None for _, _, res in group]
-        hosts, ev, keep = gather_many_to_host(self.view, self.geo, [s for _, s, _ in group], self.stream, dsts)
+        nbytes = sum(s.numel() for _, s, _ in group) * self.row_bytes
+        self._bound_staging(nbytes)
+        # The forward stream waits for the gather kernel (gpu_gather rule 3), so the blocks are free to be
+        # reused as soon as this returns: they are reported done in this very step, and the engine runs no
+        # extra steps waiting for the host copy.
+        hosts, ev, keep = gather_many_to_host(self.view, self.geo, [s for _, s, _ in group], self.stream, dsts,
+                                              copy_stream=self.copy_stream, hold_forward=True)
+        self.staged.append((ev, nbytes))
+        self.staged_bytes += nbytes
         for (job, _, res), host in zip(group, hosts):
-            self.inflight[job.req_id] = ev
+            self.released.add(job.req_id)
             # blocks when the writer is behind: the engine slows, nothing drops
             self.jobs.put((job, None if res is not None else host, ev, keep, res))
+
+    # Device memory the gathered rows may hold while their host copies are in flight; past it the step
+    # waits for the oldest copies (backpressure instead of an out-of-memory error in the engine).
+    MAX_STAGED_BYTES = 2 << 30
+
+    def _bound_staging(self, nbytes: int) -> None:
+        while self.staged and (self.staged[0][0].query() or self.staged_bytes + nbytes > self.MAX_STAGED_BYTES):
+            ev, n = self.staged.popleft()
+            ev.synchronize()
+            self.staged_bytes -= n
 
     def _write_loop(self) -> None:
         while True:

@@ -1,13 +1,17 @@
 """Gathering captured rows off the GPU without stalling the forward stream. No vLLM import.
 
 Stream discipline (the bug class peers shipped: capture indices allocated on the wrong stream):
-  1. an event recorded on the *current* (forward) stream marks the rows as written; the side stream
+  1. an event recorded on the *current* (forward) stream marks the rows as written; the gather stream
      waits on it, so the gather never reads a row before the forward pass wrote it;
-  2. the slot-index tensor is created *on the side stream* (``torch.cuda.stream(side)`` is active when it
-     is allocated), so the caching allocator ties its memory to the side stream: it cannot be handed to a
+  2. the slot-index tensor is created *on the gather stream* (``torch.cuda.stream(side)`` is active when
+     it is allocated), so the caching allocator ties its memory to that stream: it cannot be handed to a
      forward-stream allocation while the gather still reads it;
-  3. rows go to pinned host memory with a non-blocking copy; the returned event completes when the host
-     copy is done, and only then may the blocks be freed (the connector reports them then).
+  3. the gather copies the rows into a private device buffer, and the forward stream waits for that
+     gather (a few microseconds), not for the host copy: from then on the next forward pass may rewrite
+     the rows' cache blocks, so the engine can free them in the same step (``hold_forward``);
+  4. the device-to-host copies run on a third stream from the private buffer into page-locked host
+     memory; the returned event completes when they are done, and only then may the buffer and the host
+     memory be reused (the caller keeps the returned keep-alive until then).
 """
 
 from __future__ import annotations
@@ -20,28 +24,33 @@ from layertap.engine.cache_view import ViewGeometry, gather_rows
 
 
 def gather_to_host(view: torch.Tensor, geo: ViewGeometry, slots: torch.Tensor, side: "torch.cuda.Stream", *,
-                   dst: torch.Tensor | None = None, **test_only: Any):
+                   dst: torch.Tensor | None = None, **options: Any):
     """One record: ``gather_many_to_host`` with a single slot list; returns (host rows, event, keep-alive)."""
-    hosts, done, keep = gather_many_to_host(view, geo, [slots], side, [dst], **test_only)
+    hosts, done, keep = gather_many_to_host(view, geo, [slots], side, [dst], **options)
     return hosts[0], done, keep
 
 
 def gather_many_to_host(view: torch.Tensor, geo: ViewGeometry, slot_lists: list[torch.Tensor],
                         side: "torch.cuda.Stream", dsts: list[torch.Tensor | None], *,
+                        copy_stream: "torch.cuda.Stream | None" = None, hold_forward: bool = True,
                         index_on_side_stream: bool = True, delay_cycles: int = 0):
-    """Queue the gather of the records of one engine step on ``side``: one event pair, one index upload and
-    one gather kernel for all of them, then one device-to-host copy per record. Returns (host rows per
-    record, completion event, keep-alive).
+    """Queue the gather of the records of one engine step: one event, one index upload and one gather
+    kernel for all of them on ``side``, then one device-to-host copy per record on ``copy_stream`` (default
+    ``side``). Returns (host rows per record, completion event of the host copies, keep-alive).
 
     ``dsts[i]``: page-locked host memory to land record i in (e.g. a registered shared-memory slot, so the
-    record needs no further copy); ``None``: a fresh pinned buffer. Per-record CUDA calls cost the worker's
-    step thread ~1 ms per record on the H200 (events, pinned index buffer, upload, gather launches);
-    batching them keeps capture off the engine's critical path. ``index_on_side_stream=False`` and
-    ``delay_cycles`` exist only so a test can show what goes wrong with the index tensor on the wrong
-    stream (the connector never passes them).
+    record needs no further copy); ``None``: a fresh pinned buffer. ``hold_forward``: the current stream
+    waits for the gather kernel, so the rows' cache blocks may be reused by any work queued after this call
+    (the connector then releases them at once); ``False`` leaves the current stream free and the caller
+    must keep the blocks until the returned event. Per-record CUDA calls cost the worker's step thread ~1 ms
+    per record on the H200 (events, pinned index buffer, upload, gather launches): batching them keeps
+    capture off the engine's critical path. ``index_on_side_stream=False`` and ``delay_cycles`` exist only
+    so a test can show what goes wrong with the index tensor on the wrong stream (the connector never
+    passes them).
     """
+    forward = torch.cuda.current_stream()
     ready = torch.cuda.Event()
-    ready.record()  # on the forward stream: everything queued so far, including the rows' writes
+    ready.record(forward)  # everything queued so far, including the rows' writes
     side.wait_event(ready)
     host_slots = torch.cat(slot_lists).pin_memory()
     if index_on_side_stream:
@@ -49,11 +58,19 @@ def gather_many_to_host(view: torch.Tensor, geo: ViewGeometry, slot_lists: list[
             dev_slots = host_slots.to(view.device, non_blocking=True)
     else:
         dev_slots = host_slots.to(view.device, non_blocking=True)  # WRONG: allocated on the forward stream
-        side.wait_stream(torch.cuda.current_stream())
+        side.wait_stream(forward)
     with torch.cuda.stream(side):
         if delay_cycles:
             torch.cuda._sleep(delay_cycles)
-        rows = gather_rows(view, geo, dev_slots)
+        rows = gather_rows(view, geo, dev_slots)  # a private copy: the cache blocks are no longer read
+    gathered = torch.cuda.Event()
+    gathered.record(side)
+    if hold_forward:
+        forward.wait_event(gathered)
+    copy = copy_stream or side
+    if copy is not side:
+        copy.wait_event(gathered)
+    with torch.cuda.stream(copy):
         hosts, a = [], 0
         for slots, dst in zip(slot_lists, dsts):
             b = a + slots.shape[0]
@@ -62,9 +79,9 @@ def gather_many_to_host(view: torch.Tensor, geo: ViewGeometry, slot_lists: list[
             hosts.append(host)
             a = b
     done = torch.cuda.Event()
-    done.record(side)
-    # The pinned source of the H2D copy and the device rows must outlive the copies; the caller holds
-    # these until ``done``.
+    done.record(copy)
+    # The pinned source of the upload and the device rows must outlive the copies; the caller holds these
+    # until ``done``.
     return hosts, done, (host_slots, rows)
 
 

@@ -68,6 +68,7 @@ class ShmSink(Sink):
         self.writer = self.pool.register_writer(writer_id)
         self.bell = sp.Doorbell(sp.writer_bell(self.name, self.writer))
         self.writer_id = writer_id
+        self._next_consumer_check = 0.0
         self.waits = 0
         """How many puts had to wait for a free slot (backpressure observed by this sink)."""
 
@@ -145,7 +146,10 @@ class ShmSink(Sink):
         shared memory, no host staging). Nothing is visible to the consumer before ``commit``."""
         prefix, spans, total = layout(specs, meta)
         span = self._span(key, total)
-        self._check_consumer(key)
+        now = time.monotonic()
+        if now >= self._next_consumer_check:  # a /proc read: at most every _LIVENESS_EVERY s, not per record
+            self._check_consumer(key)
+            self._next_consumer_check = now + _LIVENESS_EVERY
         head = self.pool.claim(span, self.writer, self._key_bytes(key))
         if head is None:
             return None

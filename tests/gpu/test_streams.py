@@ -1,6 +1,8 @@
-"""CUDA-stream safety of the gather (no vLLM needed): the rows' writes are ordered before the gather, and
-the slot-index tensor lives on the side stream. The wrong-stream variant demonstrably reads another
-request's rows, so this test would catch a regression of the connector's stream discipline."""
+"""CUDA-stream safety of the gather (no vLLM needed): the rows' writes are ordered before the gather, the
+slot-index tensor lives on the gather stream, and the forward stream may rewrite the rows' blocks right
+after the call (it waits for the gather, not for the host copy). Each property has a control that
+demonstrably reads wrong rows without it, so these tests would catch a regression of the connector's
+stream discipline."""
 
 import torch
 
@@ -63,7 +65,7 @@ def test_batched_gather_waits_for_writes_and_splits_records_right():
 def test_index_tensor_on_side_stream_survives_allocator_reuse():
     view, geo, mine, other, a, _ = setup()
     side = torch.cuda.Stream()
-    host, done, _keep = gather_to_host(view, geo, mine, side, delay_cycles=DELAY)
+    host, done, _keep = gather_to_host(view, geo, mine, side, delay_cycles=DELAY, hold_forward=False)
     junk = adversary(other)
     done.synchronize()
     del junk
@@ -74,9 +76,36 @@ def test_wrong_stream_index_tensor_reads_another_requests_rows():
     """The control: the same adversary against an index tensor allocated on the forward stream."""
     view, geo, mine, other, a, b = setup()
     side = torch.cuda.Stream()
-    host, done, _keep = gather_to_host(view, geo, mine, side, index_on_side_stream=False, delay_cycles=DELAY)
+    host, done, _keep = gather_to_host(view, geo, mine, side, index_on_side_stream=False, delay_cycles=DELAY,
+                                       hold_forward=False)
     junk = adversary(other)
     done.synchronize()
     del junk
     assert not torch.equal(host, a.cpu()), "allocator reuse did not happen; the control proves nothing"
     assert torch.equal(host, b.cpu())  # exactly the other request's rows: the silent bug peers shipped
+
+
+def _rewrite_blocks_after_gather(hold_forward: bool):
+    """The gather is slow (its stream sleeps first); right after the call, the forward stream rewrites the
+    record's cache blocks, as the next request given those freed blocks would."""
+    view, geo, mine, _, a, _ = setup()
+    side, copy = torch.cuda.Stream(), torch.cuda.Stream()
+    dst = torch.empty(mine.numel(), PLANES, HIDDEN, pin_memory=True)
+    hosts, done, _keep = gather_many_to_host(view, geo, [mine], side, [dst], copy_stream=copy,
+                                             hold_forward=hold_forward, delay_cycles=DELAY)
+    junk = torch.full_like(a, 7.0)
+    view[(mine // BS).cuda(), :, (mine % BS).cuda()] = junk
+    done.synchronize()
+    return hosts[0], a, junk
+
+
+def test_blocks_can_be_reused_right_after_the_gather():
+    host, a, _ = _rewrite_blocks_after_gather(hold_forward=True)
+    assert torch.equal(host, a.cpu())
+
+
+def test_without_holding_the_forward_stream_reused_blocks_corrupt_the_record():
+    """The control: without the forward stream waiting for the gather, the rewrite lands first."""
+    host, a, junk = _rewrite_blocks_after_gather(hold_forward=False)
+    assert not torch.equal(host, a.cpu()), "the rewrite did not overtake the gather; the control proves nothing"
+    assert torch.equal(host, junk.cpu())
