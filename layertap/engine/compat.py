@@ -227,13 +227,16 @@ def extra_config(vllm_config: Any) -> dict[str, Any]:
 # Scheduler output and requests (field names checked on first use)
 # ----------------------------------------------------------------------------------------------
 
-def new_requests(scheduler_output: Any) -> list[tuple[str, tuple[list[int], ...], int, dict | None]]:
-    """(req_id, block ids per group, num_computed_tokens, kv_transfer_params) of newly scheduled requests."""
+def new_requests(scheduler_output: Any) -> list[tuple[str, tuple[list[int], ...], int, dict | None, list[int] | None]]:
+    """(req_id, block ids per group, num_computed_tokens, kv_transfer_params, prompt token ids) of newly
+    scheduled requests."""
     out = []
     for r in scheduler_output.scheduled_new_reqs:
         sp = r.sampling_params
         params = (sp.extra_args or {}).get("kv_transfer_params") if sp is not None and sp.extra_args else None
-        out.append((r.req_id, tuple(list(b) for b in r.block_ids), int(r.num_computed_tokens), params))
+        prompt = getattr(r, "prompt_token_ids", None)
+        out.append((r.req_id, tuple(list(b) for b in r.block_ids), int(r.num_computed_tokens), params,
+                    list(prompt) if prompt is not None else None))
     return out
 
 

@@ -102,6 +102,7 @@ class SaveJob:
     token_ids: list[int]
     num_rows: int
     meta: dict[str, Any]
+    release: bool = True  # report the blocks free once read (False: a prompt saved before its request ends)
 
 
 @dataclass
@@ -200,6 +201,11 @@ class _SchedulerSide:
         self.blocks: dict[str, list[int]] = {}  # hidden-group block ids per live request
         self.params: dict[str, dict] = {}
         self.pending: list[SaveJob] = []
+        # Prompt-mode requests on the hook path are saved in the step whose forward completes their prompt
+        # (the rows are final then), not after they finish: no blocks held, no engine step spent waiting.
+        self.eager = self.c._extra.get("capture_path", "hook") == "hook" and not self.c._extra.get("no_eager_saves")
+        self.prompts: dict[str, list[int]] = {}  # prompt ids of live prompt-mode requests to save eagerly
+        self.saved_early: dict[str, dict] = {}  # req_id -> what request_finished reports for it
         self.steps = 0
         self.decode_steps = 0
 
@@ -208,10 +214,15 @@ class _SchedulerSide:
         sched = compat.num_scheduled(out)
         checks = []
         want_checks = self.steps < self.c._check_steps
-        for rid, blocks, computed, params in compat.new_requests(out):
+        computed_now: dict[str, int] = {}
+        for rid, blocks, computed, params, prompt in compat.new_requests(out):
             self.blocks[rid] = list(blocks[g]) if len(blocks) > g else []
+            computed_now[rid] = computed
             if params and PARAMS_KEY in params:
                 self.params[rid] = params[PARAMS_KEY]
+                mode = self.params[rid].get("mode", self.c._extra.get("default_mode", "prompt"))
+                if self.eager and mode == "prompt" and prompt:
+                    self.prompts[rid] = prompt
             if want_checks and rid in sched:
                 checks.append(SlotCheck(rid, list(self.blocks[rid]), computed, computed + sched[rid]))
         cached = compat.cached_requests(out)
@@ -227,6 +238,7 @@ class _SchedulerSide:
         decoding = {rid for rid, _, _, _, n_out in cached if n_out > 0 and rid in sched}
         want_decode_checks = any(map(keeps_decode_rows, decoding)) and self.decode_steps < self.c._check_steps
         for rid, new_blocks, resumed, computed, _ in cached:
+            computed_now[rid] = computed
             if new_blocks is not None and len(new_blocks) > g:
                 self.blocks[rid] = list(new_blocks[g]) if resumed else self.blocks.get(rid, []) + list(new_blocks[g])
             if rid in decoding and not keeps_decode_rows(rid):
@@ -235,14 +247,45 @@ class _SchedulerSide:
                 checks.append(SlotCheck(rid, list(self.blocks.get(rid, [])), computed, computed + sched[rid]))
         self.steps += 1
         self.decode_steps += want_decode_checks
-        meta = LayertapMetadata(saves=self.pending, checks=checks)
+        saves = self.pending
+        for rid in [r for r in self.prompts if r in sched and computed_now.get(r, -1) + sched[r] >= len(self.prompts[r])]:
+            saves.append(self._early_save(rid, self.prompts.pop(rid)))
+        meta = LayertapMetadata(saves=saves, checks=checks)
         self.pending = []
         return meta
+
+    def _early_save(self, rid: str, prompt: list[int]) -> SaveJob:
+        """This step's forward completes the prompt of a prompt-mode request: its rows are final after it."""
+        params = self.params.get(rid, {})
+        n = len(prompt)
+        job = self._job(rid, params, "prompt", prompt, n, None, list(self.blocks.get(rid, [])))
+        job.release = False  # the request runs on; its blocks are the scheduler's to free
+        self.saved_early[rid] = {"status": "saving", "key": job.key, "num_rows": n,
+                                 "token_digest": job.meta["token_digest"]}
+        return job
+
+    def _job(self, rid: str, params: dict, mode: str, token_ids: list[int], n_prompt: int,
+             next_token: int | None, block_ids: list[int]) -> SaveJob:
+        n_rows = len(token_ids)
+        key = f"{params.get('run', 'run')}:{rid}"
+        meta = {
+            "key": key, "request_id": rid, "index": int(params.get("index", -1)), "mode": mode,
+            "layer_ids": self.c._layer_ids, "num_tokens": n_rows, "num_prompt_tokens": min(n_prompt, n_rows),
+            "token_digest": token_digest(token_ids), "layer_semantics": LAYER_SEMANTICS,
+            "next_token_id": next_token, "cache_group": self.c._group_desc,
+            **{k: v for k, v in params.items() if k in ("sample", "run", "loss_spans")},
+        }
+        return SaveJob(rid, key, block_ids, token_ids, n_rows, meta)
 
     def finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         rid = request.request_id
         self.blocks.pop(rid, None)
+        self.prompts.pop(rid, None)
         params = self.params.pop(rid, None)
+        early = self.saved_early.pop(rid, None)
+        if early is not None:  # saved when its prompt completed; nothing left to hold
+            aborted = compat.finished_request_state(request)[3]
+            return False, {PARAMS_KEY: {"status": "aborted"} if aborted else early}
         if params is None:
             tp = request.kv_transfer_params or {}
             params = tp.get(PARAMS_KEY) if isinstance(tp, dict) else None
@@ -258,19 +301,11 @@ class _SchedulerSide:
         # Rows exist for tokens that ran through the model. The last sampled token never did; after a
         # preemption vLLM may count the dummy draft slot as computed, so clip to the tokens that ran.
         n_rows = min(n_computed, n_prompt if mode == "prompt" else len(all_ids) - 1)
-        token_ids = all_ids[:n_rows]
-        key = f"{params.get('run', 'run')}:{rid}"
-        meta = {
-            "key": key, "request_id": rid, "index": int(params.get("index", -1)), "mode": mode,
-            "layer_ids": self.c._layer_ids, "num_tokens": n_rows, "num_prompt_tokens": min(n_prompt, n_rows),
-            "token_digest": token_digest(token_ids), "layer_semantics": LAYER_SEMANTICS,
-            "next_token_id": all_ids[n_rows] if n_rows < len(all_ids) else None,
-            "cache_group": self.c._group_desc,
-            **{k: v for k, v in params.items() if k in ("sample", "run", "loss_spans")},
-        }
-        self.pending.append(SaveJob(rid, key, block_ids, token_ids, n_rows, meta))
-        return True, {PARAMS_KEY: {"status": "saving", "key": key, "num_rows": n_rows,
-                                   "token_digest": meta["token_digest"]}}
+        job = self._job(rid, params, mode, all_ids[:n_rows], n_prompt,
+                        all_ids[n_rows] if n_rows < len(all_ids) else None, block_ids)
+        self.pending.append(job)
+        return True, {PARAMS_KEY: {"status": "saving", "key": job.key, "num_rows": n_rows,
+                                   "token_digest": job.meta["token_digest"]}}
 
 
 # =================================================================================================
@@ -428,13 +463,15 @@ class _WorkerSide:
         """One record on the CPU (the copy is done when this returns); CUDA goes through _start_copies_cuda."""
         if self.skip_reads:
             self.saved += 1
-            self.released.add(job.req_id)
+            if job.release:
+                self.released.add(job.req_id)
             return
         slots, res = self._prepare(job)
         rows = gather_rows(self.view, self.geo, slots)  # advanced indexing copies: rows are ours now
         if res is not None:
             res.tensors["hidden_states"].copy_(rows)
-        self.released.add(job.req_id)
+        if job.release:
+            self.released.add(job.req_id)
         # blocks when the writer is behind: the engine slows, nothing drops
         self.jobs.put((job, None if res is not None else rows, None, None, res))
 
@@ -472,7 +509,8 @@ class _WorkerSide:
         self.staged.append((ev, nbytes))
         self.staged_bytes += nbytes
         for (job, _, res), host in zip(group, hosts):
-            self.released.add(job.req_id)
+            if job.release:
+                self.released.add(job.req_id)
             # blocks when the writer is behind: the engine slows, nothing drops
             self.jobs.put((job, None if res is not None else host, ev, keep, res))
 
