@@ -1,0 +1,73 @@
+"""When the connector's scheduler side issues saves (no engine: the scheduler output is built here with the
+attributes vLLM's SchedulerOutput carries; the engine tests run the same code against the real engine and
+check every record against HF)."""
+
+from types import SimpleNamespace as NS
+
+from layertap.engine.connector import PARAMS_KEY, _SchedulerSide
+
+
+def side(path="hook"):
+    c = NS(_group=0, _layer_ids=[1, 2], _group_desc={}, _check_steps=0,
+           _extra={"capture_path": path, "default_mode": "prompt"})
+    return _SchedulerSide(c)
+
+
+def new(rid, prompt, blocks, computed=0, mode="prompt"):
+    sp = NS(extra_args={"kv_transfer_params": {PARAMS_KEY: {"index": 7, "mode": mode, "run": "r"}}})
+    return NS(req_id=rid, prompt_token_ids=prompt, sampling_params=sp, block_ids=(blocks,), num_computed_tokens=computed)
+
+
+def out(new_reqs=(), cached=(), sched=None):
+    c = NS(req_ids=[r[0] for r in cached], new_block_ids=[r[1] for r in cached], resumed_req_ids=set(),
+           num_computed_tokens=[r[2] for r in cached], num_output_tokens=[r[3] for r in cached])
+    return NS(scheduled_new_reqs=list(new_reqs), scheduled_cached_reqs=c, num_scheduled_tokens=dict(sched or {}))
+
+
+def request(rid, prompt, generated=(), status="RequestStatus.FINISHED_LENGTH_CAPPED"):
+    return NS(request_id=rid, kv_transfer_params=None, status=status, prompt_token_ids=prompt,
+              all_token_ids=list(prompt) + list(generated), num_computed_tokens=len(prompt) + max(0, len(generated) - 1))
+
+
+PROMPT = list(range(100, 250))  # 150 tokens, block size irrelevant here
+
+
+def test_prompt_mode_is_saved_in_the_step_that_completes_the_prompt():
+    s = side()
+    m1 = s.build_meta(out([new("a", PROMPT, [3, 4])], sched={"a": 100}))  # first chunk
+    assert m1.saves == []
+    m2 = s.build_meta(out(cached=[("a", ([5],), 100, 0)], sched={"a": 50}))  # last chunk
+    assert [j.req_id for j in m2.saves] == ["a"]
+    job = m2.saves[0]
+    assert job.release is False and job.token_ids == PROMPT and job.num_rows == 150 and job.block_ids == [3, 4, 5]
+    # async scheduling may schedule it once more before it is known finished: no second save
+    assert s.build_meta(out(cached=[("a", None, 150, 1)], sched={"a": 1})).saves == []
+    hold, params = s.finished(request("a", PROMPT, [9]), [3, 4, 5])
+    assert hold is False  # nothing to wait for: the blocks go back at once
+    assert params[PARAMS_KEY]["status"] == "saving" and params[PARAMS_KEY]["key"] == job.key
+    assert params[PARAMS_KEY]["token_digest"] == job.meta["token_digest"]
+    assert s.build_meta(out()).saves == []
+
+
+def test_generate_mode_waits_for_the_finished_request():
+    s = side()
+    assert s.build_meta(out([new("g", PROMPT, [1, 2], mode="generate")], sched={"g": 150})).saves == []
+    hold, params = s.finished(request("g", PROMPT, [9, 10, 11]), [1, 2])
+    assert hold is True and params[PARAMS_KEY]["num_rows"] == 152
+    (job,) = s.build_meta(out()).saves
+    assert job.release is True and job.token_ids == PROMPT + [9, 10] and job.meta["next_token_id"] == 11
+
+
+def test_extract_path_saves_after_the_request_finishes():
+    """On the extract path the rows are written by the drafter after the forward: never saved early."""
+    s = side("extract")
+    assert s.build_meta(out([new("x", PROMPT, [1, 2])], sched={"x": 150})).saves == []
+    hold, _ = s.finished(request("x", PROMPT, [9]), [1, 2])
+    assert hold is True and [j.release for j in s.build_meta(out()).saves] == [True]
+
+
+def test_abort_after_an_early_save_reports_aborted():
+    s = side()
+    assert len(s.build_meta(out([new("a", PROMPT, [1, 2])], sched={"a": 150})).saves) == 1
+    hold, params = s.finished(request("a", PROMPT, status="RequestStatus.FINISHED_ABORTED"), [1, 2])
+    assert hold is False and params[PARAMS_KEY]["status"] == "aborted"
