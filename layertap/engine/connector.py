@@ -203,7 +203,7 @@ class _SchedulerSide:
         self.pending: list[SaveJob] = []
         # Prompt-mode requests on the hook path are saved in the step whose forward completes their prompt
         # (the rows are final then), not after they finish: no blocks held, no engine step spent waiting.
-        self.eager = self.c._extra.get("capture_path", "hook") == "hook"
+        self.eager = self.c._extra.get("capture_path") == "hook"  # as compat.capture_layer_ids decides
         self.prompts: dict[str, list[int]] = {}  # prompt ids of live prompt-mode requests to save eagerly
         self.saved_early: dict[str, dict] = {}  # req_id -> what request_finished reports for it
         self.steps = 0
