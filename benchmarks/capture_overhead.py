@@ -243,7 +243,7 @@ def bench_hf(model, data, args) -> float:
     return rate
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--num-layers", type=int, default=4)
@@ -276,7 +276,7 @@ def main() -> None:
                     help="one child process per variant, measured one after the other (default: paired, all "
                          "engines alive in one child process, measured in interleaved rounds)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: "V1,V2:RESULT.json"
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     n = args.num_layers
     args.layers = args.layers or sorted({1, max(1, n // 2), max(1, n - 3), n})
     for v in args.variants:
@@ -286,6 +286,12 @@ def main() -> None:
         raise SystemExit("--variants must include plain (every ratio is over plain)")
     if args.gpu_mem is None:  # paired: every engine lives at once and needs its share of the GPU
         args.gpu_mem = 0.35 if args.separate else min(0.35, 0.8 / len(args.variants))
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    n = args.num_layers
     model = build_model(args)
     data = prompts(args)
     if args.child:

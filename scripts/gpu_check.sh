@@ -8,6 +8,9 @@
 #                                      # BENCH_VARIANTS=... picks others (see the benchmark docstring))
 #                                      # + trainer MFU (SKIP_TRAIN_BENCH=1: skip)
 #   bash scripts/gpu_check.sh bench-tp2   # the overhead ratio with tensor parallel 2 (two GPUs)
+#   bash scripts/gpu_check.sh profile     # py-spy over plain and capture at PROFILE_INFLIGHT (1) in flight:
+#                                          # where a request's time goes, per process and thread (needs
+#                                          # py-spy: on PATH, or its wheel carried as .gpubundle/py_spy-*.whl)
 # Results and logs go to $OUT (the device tool's return folder) or ./gpu-results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,5 +51,15 @@ if [ "$phase" = bench-tp2 ] || { [ "$phase" = all ] && [ "$(python3 -c 'import t
     --variants ${BENCH_TP2_VARIANTS:-plain,capture} --repeats ${BENCH_REPEATS:-3} \
     --json "$OUT/capture_overhead_tp2.json" 2>&1 | tee "$OUT/capture_overhead_tp2.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING" | tail -16
   rc=$(( rc | PIPESTATUS[0] ))
+fi
+if [ "$phase" = profile ]; then
+  if ! command -v py-spy >/dev/null; then
+    pip install --target /tmp/pyspy .gpubundle/py_spy-*.whl -q >/dev/null 2>&1 && export PATH=/tmp/pyspy/bin:$PATH
+  fi
+  for v in plain capture; do
+    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} python3 benchmarks/profile_capture.py --variant $v \
+      --inflight ${PROFILE_INFLIGHT:-1} --out "$OUT/profile" $bench_args 2>&1 | head -40
+    rc=$(( rc | PIPESTATUS[0] ))
+  done
 fi
 exit $rc
