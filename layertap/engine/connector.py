@@ -19,9 +19,11 @@ Worker side (each worker process; only TP rank 0 reads and writes):
                                       device buffer and the forward stream waits for that gather)
     wait_for_save / start_load_kv / wait_for_layer_load: no-ops
 
-Rows of a finished request are read by *that request's own block ids* (as the scheduler hands them to
-``request_finished``), so prefix-cache hits, chunked prefill and preemption need no special case: the
-rows are in the blocks the request's tokens live in. Which rows: positions ``[0, num_computed_tokens)``.
+Rows are read by *the request's own block ids*: for a prompt-mode request on the hook path in the step
+whose forward completes its prompt (its rows are final then, and its blocks are not held), otherwise when
+it finishes (as the scheduler hands them to ``request_finished``). So prefix-cache hits, chunked prefill
+and preemption need no special case: the rows are in the blocks the request's tokens live in. Which rows:
+the prompt's (prompt mode), or every token that ran through the model (generate mode).
 """
 
 from __future__ import annotations

@@ -90,18 +90,6 @@ def server_argv(args: argparse.Namespace, tcfg: dict[str, Any], meta: dict[str, 
             *list(getattr(args, "engine_argv", []) or [])]
 
 
-def _flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
-    """The value of a ``--flag VALUE`` / ``--flag=VALUE`` in an argv (the last one wins), else None."""
-    found = None
-    for i, a in enumerate(argv):
-        for n in names:
-            if a == n and i + 1 < len(argv):
-                found = argv[i + 1]
-            elif a.startswith(n + "="):
-                found = a.split("=", 1)[1]
-    return found
-
-
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server until it exits or Ctrl-C; the transport is freed and the server tree stopped after."""
     from layertap.pipeline.evaluate import stop_tree
@@ -119,13 +107,13 @@ def run_serve(args: argparse.Namespace) -> int:
           f"{tcfg.get('path') or tcfg.get('name') or tcfg.get('master')}", flush=True)
     if name != "file":
         print("transport config for a consumer: " + json.dumps(tcfg), flush=True)
-    from layertap.engine import compat
-
     import torch
 
-    tp = _flag_value(list(getattr(args, "engine_argv", None) or []), ("--tensor-parallel-size", "-tp"))
-    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1",
-           **compat.engine_env(torch.cuda.is_available(), {"tensor_parallel_size": tp})}
+    from layertap.cli.engine_flags import engine_kwargs
+    from layertap.engine import compat
+
+    engine = engine_kwargs(list(getattr(args, "engine_argv", None) or []))  # vLLM's own parser: -tp, -pp, ...
+    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", **compat.engine_env(torch.cuda.is_available(), engine)}
     proc = subprocess.Popen(argv, env=env)
     try:
         return proc.wait()

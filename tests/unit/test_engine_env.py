@@ -4,7 +4,7 @@ every capture engine with them)."""
 import os
 
 from layertap.engine import compat
-from layertap.pipeline.serve import _flag_value
+from layertap.cli.engine_flags import engine_kwargs
 
 
 def test_cpu_capture_engine_reserves_one_core_per_worker():
@@ -27,9 +27,9 @@ def test_engine_env_set_restores_the_environment(monkeypatch):
     assert "LAYERTAP_TEST_A" not in os.environ and os.environ["LAYERTAP_TEST_B"] == "old"
 
 
-def test_flag_value_reads_both_spellings():
-    assert _flag_value(["--max-model-len", "64", "--tensor-parallel-size", "2"], ("--tensor-parallel-size", "-tp")) == "2"
-    assert _flag_value(["--tensor-parallel-size=4"], ("--tensor-parallel-size", "-tp")) == "4"
-    assert _flag_value(["-tp", "2"], ("--tensor-parallel-size", "-tp")) == "2"
-    assert _flag_value(["--tensor-parallel-size"], ("--tensor-parallel-size",)) is None
-    assert _flag_value([], ("--tensor-parallel-size",)) is None
+def test_serve_counts_workers_from_the_engine_flags():
+    """`layertap serve` passes engine flags through; the workers are counted by vLLM's own parser."""
+    assert compat.engine_env(False, engine_kwargs(["-tp", "2", "--pipeline-parallel-size=2"]), environ={}) == {
+        compat.CPU_RESERVED_ENV: "4"}
+    assert compat.engine_env(False, engine_kwargs(["--max-model-len", "64"]), environ={}) == {
+        compat.CPU_RESERVED_ENV: "1"}
