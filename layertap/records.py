@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 import warnings
 import zlib
@@ -164,7 +165,7 @@ def layout(tensors: dict[str, torch.Tensor | TensorSpec], meta: dict[str, Any]) 
     off, spans = 0, {}
     for name, t in tensors.items():
         dtype, shape = _spec(t)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(int(d) for d in shape) * dtype.itemsize  # per record on the engine's step: no numpy
         hdr[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [off, off + nbytes]}
         spans[name] = (off, nbytes)
         off += nbytes

@@ -147,6 +147,37 @@ def slots_for(block_ids: Sequence[int], manager_block_size: int, start: int, sto
     return blocks[pos // manager_block_size] * manager_block_size + pos % manager_block_size
 
 
+def view_blocks_for(block_ids: Sequence[int], manager_block_size: int, num_rows: int, ratio: int, *,
+                    request: str = "?", num_manager_blocks: int | None = None) -> list[int]:
+    """View (kernel) block ids holding token positions ``[0, num_rows)`` of a request, in order: the rows
+    are the first ``num_rows`` rows of these blocks laid end to end. Plain ints, no tensor work (this runs
+    on the engine's step thread for every record). Raises ``BlockCoverageError`` like ``slots_for``."""
+    need = -(-num_rows // manager_block_size) if num_rows > 0 else 0
+    if num_rows < 0 or need > len(block_ids):
+        raise BlockCoverageError(
+            f"request {request}: {num_rows} tokens need {need} blocks of {manager_block_size}, "
+            f"but it holds {len(block_ids)} block ids"
+        )
+    mine = list(block_ids[:need])
+    if num_manager_blocks is not None and mine and (max(mine) >= num_manager_blocks or min(mine) < 0):
+        raise BlockCoverageError(
+            f"request {request}: block ids {mine[:8]} run past the cache of {num_manager_blocks} blocks"
+        )
+    if ratio == 1:
+        return mine
+    return [b * ratio + j for b in mine for j in range(ratio)]
+
+
+def gather_blocks(view: torch.Tensor, geo: ViewGeometry, view_blocks: torch.Tensor) -> torch.Tensor:
+    """Every row of these view blocks, ``[len(view_blocks) * view_block_size, n_planes, hidden]``, in block
+    order (a private copy). One index per block instead of one per token: ``view_blocks_for`` gives the
+    blocks of a record, whose rows are then a prefix of the result."""
+    got = view[view_blocks]  # [B, block, planes, hidden] (plane axis 2) or [B, planes, block, hidden] (axis 1)
+    if geo.plane_axis == 1:
+        got = got.transpose(1, 2)
+    return got.reshape(-1, geo.n_planes, geo.hidden)
+
+
 def view_index(slots: torch.Tensor, view_block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(view block, offset within it) of each slot: the view's block dimension, never the manager's."""
     return slots // view_block_size, slots % view_block_size
@@ -171,8 +202,13 @@ def scatter_planes(view: torch.Tensor, geo: ViewGeometry, slots: torch.Tensor, p
     if len(planes) != geo.n_planes:
         raise CacheLayoutError(f"{len(planes)} hidden-state planes for a view of {geo.n_planes}")
     n = slots.shape[0]
-    blk, off = view_index(slots.clamp_min(0), geo.view_block_size)
     for p, rows in enumerate(planes):
         if rows.shape[0] < n:
             raise CacheLayoutError(f"plane {p} has {rows.shape[0]} rows for {n} slots")
-        view.select(geo.plane_axis, p)[blk, off] = rows[:n]
+    blk, off = view_index(slots.clamp_min(0), geo.view_block_size)
+    # One write for all planes (this runs on the engine's step thread every forward: few kernel launches)
+    stacked = torch.stack([rows[:n] for rows in planes], dim=1)  # [n, planes, hidden]
+    if geo.plane_axis == 1:
+        view[blk, :, off] = stacked  # advanced indices around a slice: the indexed shape is [n, planes, hidden]
+    else:
+        view[blk, off] = stacked

@@ -112,9 +112,10 @@ def engine_env(on_cuda: bool, kw: dict[str, Any], environ: dict[str, str] | None
     for NIXL's transfer thread), and on a small machine that leaves the worker bound to fewer cores than
     its OpenMP thread count: on the 2-core CI machine the worker got OMP_NUM_THREADS=2 on one core, and
     every multi-threaded CPU op then spin-waited against the step's own thread (on a hidden-64 model at 1
-    request in flight, the hook engine without reads ran at 0.34 of plain; 0.80-0.89 with this). layertap's connector needs no core of its own
-    (its writer thread sleeps on events), so capture engines reserve what vLLM reserves without a connector:
-    one core per local worker. A value the user set wins."""
+    request in flight, the hook engine without reads ran at 0.34 of plain; 0.80-0.89 with this).
+    layertap's connector needs no core of its own (its writer thread sleeps on its queue), so capture
+    engines reserve what vLLM reserves without a connector: one core per local worker. A value the user
+    set wins."""
     environ = os.environ if environ is None else environ
     if on_cuda or CPU_RESERVED_ENV in environ:
         return {}

@@ -16,7 +16,9 @@ Worker side (each worker process; only TP rank 0 reads and writes):
     get_finished()                 -> gather rows of finished requests by their own block ids, hand them
                                       to the writer thread; report the blocks free in the same call (on
                                       CPU the rows are copied by then; on CUDA they are in a private
-                                      device buffer and the forward stream waits for that gather)
+                                      device buffer, indexed by cache block, and the forward stream
+                                      waits for that gather; the host copies run on their own stream and
+                                      the writer thread commits each record when its copy is done)
     wait_for_save / start_load_kv / wait_for_layer_load: no-ops
 
 Rows are read by *the request's own block ids*: for a prompt-mode request on the hook path in the step
@@ -28,7 +30,6 @@ the prompt's (prompt mode), or every token that ran through the model (generate 
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import queue
@@ -52,12 +53,13 @@ from layertap.engine.cache_view import (
     BlockCoverageError,
     CacheLayoutError,
     find_hidden_group,
-    gather_rows,
+    gather_blocks,
     kernel_ratio,
     slots_for,
+    view_blocks_for,
     view_geometry,
 )
-from layertap.engine.gpu_gather import gather_many_to_host, register_host, unregister_host
+from layertap.engine.gpu_gather import copy_to_host, gather_on_device, register_host, spans_of, unregister_host
 from layertap.records import LAYER_SEMANTICS, token_digest
 from layertap.transport.base import get_transport
 
@@ -311,6 +313,13 @@ class _SchedulerSide:
 
 
 # =================================================================================================
+def _abort(reservations: list[Any]) -> None:
+    """Give back transport memory reserved for records that will not be committed."""
+    for res in reservations:
+        if res is not None:
+            res.abort()
+
+
 class _WorkerSide:
     def __init__(self, c: LayertapConnector, vllm_config: Any):
         self.c = c
@@ -328,12 +337,21 @@ class _WorkerSide:
         self.writer: threading.Thread | None = None
         self.stream = None
         self.copy_stream = None
-        self.staged: collections.deque = collections.deque()  # (host-copy event, device bytes) per gather
+        self.staging = threading.Condition()  # device bytes gathered whose host copies are not done yet
         self.staged_bytes = 0
         self.checked = 0
         # Records are laid out in transport memory and filled in place when the transport can (shm): on
         # CUDA the device-to-host copy lands in the registered pool, no staging buffer, no host memcpy.
         self.direct = bool(c._extra.get("direct", True)) and not self.compact_cfg
+        # CUDA: who reserves transport memory and queues the host copies. The step thread (default) puts
+        # that work on the engine's critical path; the writer thread takes it off, but then competes with
+        # the step thread for the GIL while the engine launches kernels. Paired on the H200 (RESULTS.md,
+        # 2026-12-01, run N) neither won: writer 0.76/0.72/0.72/0.90 vs step 0.70/0.67/0.74/0.93 of plain
+        # at 1/4/16/64 in flight, within each other's round-to-round range.
+        self.copy_on_writer = bool(c._extra.get("copy_on_writer", False))
+        # The writer waits for host copies sleeping, not spinning (see gpu_gather.copy_to_host); False
+        # exists so the benchmark can compare (variant capture-spin).
+        self.blocking_sync = bool(c._extra.get("blocking_sync", True))
         self.pinned_region: torch.Tensor | None = None
         # Benchmark aid only (benchmarks/capture_overhead.py "floor"): saves are reported done without
         # reading any row, which measures what the capture path costs the engine by itself.
@@ -382,6 +400,9 @@ class _WorkerSide:
                     self.direct = False
                     log.warning("layertap worker: cannot page-lock the transport memory (%s); staging rows "
                                 "through pinned buffers instead", err)
+            if view.is_cuda:
+                self.stream = torch.cuda.Stream(device=view.device)
+                self.copy_stream = torch.cuda.Stream(device=view.device)
             self.writer = threading.Thread(target=self._write_loop, name="layertap-writer", daemon=True)
             self.writer.start()
 
@@ -447,19 +468,22 @@ class _WorkerSide:
             for a, b in job.meta["loss_spans"]:
                 tensors["loss_mask"][a:b] = 1
 
-    def _prepare(self, job: SaveJob) -> tuple[torch.Tensor, Any]:
-        """The record's slots, and its transport memory reserved and filled but for the rows (``None``: no
-        free room right now, or a transport without ``reserve``: the rows are staged instead)."""
+    def _blocks(self, job: SaveJob) -> list[int]:
+        """The view blocks holding the record's rows (its first ``num_rows`` positions), checked."""
         self.saved += 1
-        slots = slots_for(job.block_ids, self.c._block_size, 0, job.num_rows, request=job.req_id,
-                          num_manager_blocks=self.num_manager_blocks)
-        res = None
-        if self.direct:
-            specs, meta = self._record_layout(job)
-            res = self.sink.reserve(job.key, specs, meta)
-            if res is not None:
-                self._fill_small(res.tensors, job)
-        return slots, res
+        return view_blocks_for(job.block_ids, self.c._block_size, job.num_rows, self.ratio, request=job.req_id,
+                               num_manager_blocks=self.num_manager_blocks)
+
+    def _reserve(self, job: SaveJob) -> Any:
+        """The record's transport memory, reserved and filled but for the rows (``None``: no free room right
+        now, or a transport without ``reserve``: the rows are staged and put instead)."""
+        if not self.direct:
+            return None
+        specs, meta = self._record_layout(job)
+        res = self.sink.reserve(job.key, specs, meta)
+        if res is not None:
+            self._fill_small(res.tensors, job)
+        return res
 
     def _start_copy(self, job: SaveJob) -> None:
         """One record on the CPU (the copy is done when this returns); CUDA goes through _start_copies_cuda."""
@@ -468,92 +492,151 @@ class _WorkerSide:
             if job.release:
                 self.released.add(job.req_id)
             return
-        slots, res = self._prepare(job)
-        rows = gather_rows(self.view, self.geo, slots)  # advanced indexing copies: rows are ours now
+        blocks = self._blocks(job)
+        res = self._reserve(job)
+        # advanced indexing copies: the rows are ours now, the blocks may go
+        rows = gather_blocks(self.view, self.geo, torch.tensor(blocks, dtype=torch.int64))[: job.num_rows]
         if res is not None:
             res.tensors["hidden_states"].copy_(rows)
         if job.release:
             self.released.add(job.req_id)
         # blocks when the writer is behind: the engine slows, nothing drops
-        self.jobs.put((job, None if res is not None else rows, None, None, res))
+        self.jobs.put(("host", job, None if res is not None else rows, res))
 
     # The rows of one step's finished records are gathered together, in groups of at most this many bytes
     # of device memory.
     BATCH_BYTES = 512 << 20
 
     def _start_copies_cuda(self, jobs: list[SaveJob]) -> None:
-        """All records of this step: reserve their transport memory, then one batched gather (per group)."""
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(device=self.view.device)
-            self.copy_stream = torch.cuda.Stream(device=self.view.device)
-        row_bytes = self.row_bytes
-        group: list[tuple[SaveJob, torch.Tensor, Any]] = []
+        """All records of this step, in one gather per group (by cache block); then their transport memory
+        is reserved and the host copies queued, here or on the writer thread (``copy_on_writer``)."""
+        vbytes = self.geo.view_block_size * self.row_bytes
+        group: list[SaveJob] = []
+        lists: list[list[int]] = []
         size = 0
         for job in jobs:
-            slots, res = self._prepare(job)
-            if group and size + job.num_rows * row_bytes > self.BATCH_BYTES:
-                self._gather_group(group)
-                group, size = [], 0
-            group.append((job, slots, res))
-            size += job.num_rows * row_bytes
+            blocks = self._blocks(job)
+            if group and size + len(blocks) * vbytes > self.BATCH_BYTES:
+                self._gather_group(group, lists, size)
+                group, lists, size = [], [], 0
+            group.append(job)
+            lists.append(blocks)
+            size += len(blocks) * vbytes
         if group:
-            self._gather_group(group)
+            self._gather_group(group, lists, size)
 
-    def _gather_group(self, group: list[tuple[SaveJob, torch.Tensor, Any]]) -> None:
-        dsts = [res.tensors["hidden_states"] if res is not None else None for _, _, res in group]
-        nbytes = sum(s.numel() for _, s, _ in group) * self.row_bytes
+    def _gather_group(self, group: list[SaveJob], lists: list[list[int]], nbytes: int) -> None:
         self._bound_staging(nbytes)
         # The forward stream waits for the gather kernel (gpu_gather rule 3), so the blocks are free to be
         # reused as soon as this returns: they are reported done in this very step, and the engine runs no
         # extra steps waiting for the host copy.
-        hosts, ev, keep = gather_many_to_host(self.view, self.geo, [s for _, s, _ in group], self.stream, dsts,
-                                              copy_stream=self.copy_stream, hold_forward=True)
-        self.staged.append((ev, nbytes))
-        self.staged_bytes += nbytes
-        for (job, _, res), host in zip(group, hosts):
+        rows, gathered, keep = gather_on_device(self.view, self.geo, lists, self.stream, hold_forward=True)
+        spans = spans_of(lists, [job.num_rows for job in group], self.geo.view_block_size)
+        for job in group:
             if job.release:
                 self.released.add(job.req_id)
+        if self.copy_on_writer:
             # blocks when the writer is behind: the engine slows, nothing drops
-            self.jobs.put((job, None if res is not None else host, ev, keep, res))
+            self.jobs.put(("device", group, spans, rows, gathered, keep, nbytes))
+            return
+        reservations = [self._reserve(job) for job in group]
+        dsts = [res.tensors["hidden_states"] if res is not None else None for res in reservations]
+        hosts, done = copy_to_host(rows, spans, dsts, self.copy_stream, gathered,
+                                   blocking=self.blocking_sync)
+        self.jobs.put(("copied", group, hosts, reservations, done, (rows, keep), nbytes))
 
     # Device memory the gathered rows may hold while their host copies are in flight; past it the step
-    # waits for the oldest copies (backpressure instead of an out-of-memory error in the engine).
+    # waits for the writer (backpressure instead of an out-of-memory error in the engine).
     MAX_STAGED_BYTES = 2 << 30
 
     def _bound_staging(self, nbytes: int) -> None:
-        while self.staged and (self.staged[0][0].query() or self.staged_bytes + nbytes > self.MAX_STAGED_BYTES):
-            ev, n = self.staged.popleft()
-            ev.synchronize()
-            self.staged_bytes -= n
+        with self.staging:
+            while self.staged_bytes and self.staged_bytes + nbytes > self.MAX_STAGED_BYTES:
+                if self.error is not None:
+                    raise RuntimeError(f"layertap writer failed: {self.error}") from self.error
+                self.staging.wait(timeout=0.5)
+            self.staged_bytes += nbytes
+
+    def _unstage(self, nbytes: int) -> None:
+        with self.staging:
+            self.staged_bytes -= nbytes
+            self.staging.notify_all()
 
     def _write_loop(self) -> None:
+        if self.view is not None and self.view.is_cuda:
+            torch.cuda.set_device(self.view.device)
         while True:
             item = self.jobs.get()
             if item is None:
                 return
-            job, host, ev, _keep, res = item
             try:
-                if ev is not None:
-                    ev.synchronize()
-                if res is not None:
-                    res.commit()  # the rows are in place: make the record visible
-                    continue
-                specs, meta = self._record_layout(job)
-                tensors = {"token_ids": torch.empty(job.num_rows, dtype=torch.int64), "hidden_states": host}
-                if "loss_mask" in specs:
-                    tensors["loss_mask"] = torch.empty(job.num_rows, dtype=torch.uint8)
-                self._fill_small(tensors, job)
-                if self.compact_cfg:
-                    from layertap.transport.compact import compact
-
-                    tensors, meta = compact(tensors, meta, **self.compact_cfg)
-                self.sink.put(job.key, tensors, meta)
+                if item[0] == "device":
+                    self._write_device(*item[1:])
+                elif item[0] == "copied":
+                    self._write_copied(*item[1:])
+                else:
+                    self._write_host(*item[1:])
+                # drop this item's device rows and pinned buffers now, not when the next item arrives
+                item = None
             except BaseException as e:  # surfaced on the engine's next step (get_finished raises)
-                if res is not None:
-                    res.abort()
-                log.error("layertap: writing record %s failed: %r", job.key, e)
+                log.error("layertap: writing records failed: %r", e)
                 self.error = e
+                with self.staging:
+                    self.staging.notify_all()
                 return
+
+    def _write_device(self, group: list[SaveJob], spans: list[tuple[int, int]], rows: torch.Tensor,
+                      gathered: Any, keep: Any, nbytes: int) -> None:
+        """Reserve the records' transport memory and queue their rows' copies into it (copy_on_writer)."""
+        reservations: list[Any] = []
+        try:
+            for job in group:
+                reservations.append(self._reserve(job))
+            dsts = [res.tensors["hidden_states"] if res is not None else None for res in reservations]
+            hosts, done = copy_to_host(rows, spans, dsts, self.copy_stream, gathered, blocking=self.blocking_sync)
+        except BaseException:
+            _abort(reservations)
+            self._unstage(nbytes)
+            raise
+        self._write_copied(group, hosts, reservations, done, (rows, keep), nbytes)
+
+    def _write_copied(self, group: list[SaveJob], hosts: list[torch.Tensor], reservations: list[Any], done: Any,
+                      keep: Any, nbytes: int) -> None:
+        """Wait for the records' host copies, then commit each. ``keep`` (the device rows and the index's
+        pinned source) is only held: the copies read it until ``done``; the caller drops it afterwards."""
+        try:
+            done.synchronize()
+        except BaseException:
+            _abort(reservations)
+            raise
+        finally:
+            self._unstage(nbytes)
+        for i, (job, host, res) in enumerate(zip(group, hosts, reservations)):
+            try:
+                self._write_host(job, None if res is not None else host, res)
+            except BaseException:
+                _abort(reservations[i + 1:])
+                raise
+
+    def _write_host(self, job: SaveJob, host: torch.Tensor | None, res: Any) -> None:
+        """Make one record visible: commit its reservation, or put its staged rows."""
+        if res is not None:
+            res.commit()  # the rows are in place: make the record visible
+            return
+        try:
+            specs, meta = self._record_layout(job)
+            tensors = {"token_ids": torch.empty(job.num_rows, dtype=torch.int64), "hidden_states": host}
+            if "loss_mask" in specs:
+                tensors["loss_mask"] = torch.empty(job.num_rows, dtype=torch.uint8)
+            self._fill_small(tensors, job)
+            if self.compact_cfg:
+                from layertap.transport.compact import compact
+
+                tensors, meta = compact(tensors, meta, **self.compact_cfg)
+            self.sink.put(job.key, tensors, meta)
+        except BaseException as e:
+            log.error("layertap: writing record %s failed: %r", job.key, e)
+            raise
 
     def close(self) -> None:
         if self.calls:

@@ -3,15 +3,18 @@
 Stream discipline (the bug class peers shipped: capture indices allocated on the wrong stream):
   1. an event recorded on the *current* (forward) stream marks the rows as written; the gather stream
      waits on it, so the gather never reads a row before the forward pass wrote it;
-  2. the slot-index tensor is created *on the gather stream* (``torch.cuda.stream(side)`` is active when
+  2. the block-index tensor is created *on the gather stream* (``torch.cuda.stream(side)`` is active when
      it is allocated), so the caching allocator ties its memory to that stream: it cannot be handed to a
      forward-stream allocation while the gather still reads it;
   3. the gather copies the rows into a private device buffer, and the forward stream waits for that
      gather (a few microseconds), not for the host copy: from then on the next forward pass may rewrite
      the rows' cache blocks, so the engine can free them in the same step (``hold_forward``);
   4. the device-to-host copies run on a third stream from the private buffer into page-locked host
-     memory; the returned event completes when they are done, and only then may the buffer and the host
-     memory be reused (the caller keeps the returned keep-alive until then).
+     memory (queued by the thread that reserved that memory: the connector's step thread by default);
+     their event completes when they are done, and only then may the buffer and the host memory be
+     reused.
+The index is one entry per cache block, not per token (a record's rows are a prefix of its blocks'
+rows), so the step thread's work per record is a list of a few dozen ints.
 """
 
 from __future__ import annotations
@@ -20,69 +23,88 @@ from typing import Any
 
 import torch
 
-from layertap.engine.cache_view import ViewGeometry, gather_rows
+from layertap.engine.cache_view import ViewGeometry, gather_blocks
 
 
-def gather_to_host(view: torch.Tensor, geo: ViewGeometry, slots: torch.Tensor, side: "torch.cuda.Stream", *,
-                   dst: torch.Tensor | None = None, **options: Any):
-    """One record: ``gather_many_to_host`` with a single slot list; returns (host rows, event, keep-alive)."""
-    hosts, done, keep = gather_many_to_host(view, geo, [slots], side, [dst], **options)
-    return hosts[0], done, keep
+def gather_on_device(view: torch.Tensor, geo: ViewGeometry, block_lists: list[list[int]], side: "torch.cuda.Stream",
+                     *, hold_forward: bool = True, index_on_side_stream: bool = True, delay_cycles: int = 0):
+    """Queue the gather of every row of these view blocks (one list per record, ``view_blocks_for``) into
+    a private device buffer on ``side``: one event, one index upload, one gather kernel for the whole
+    step. Returns (rows ``[blocks * view_block_size, n_planes, hidden]``, the gather's completion event,
+    keep-alive); record i's rows start at ``view_block_size * sum(len(block_lists[j]) for j < i)``.
 
-
-def gather_many_to_host(view: torch.Tensor, geo: ViewGeometry, slot_lists: list[torch.Tensor],
-                        side: "torch.cuda.Stream", dsts: list[torch.Tensor | None], *,
-                        copy_stream: "torch.cuda.Stream | None" = None, hold_forward: bool = True,
-                        index_on_side_stream: bool = True, delay_cycles: int = 0):
-    """Queue the gather of the records of one engine step: one event, one index upload and one gather
-    kernel for all of them on ``side``, then one device-to-host copy per record on ``copy_stream`` (default
-    ``side``). Returns (host rows per record, completion event of the host copies, keep-alive).
-
-    ``dsts[i]``: page-locked host memory to land record i in (e.g. a registered shared-memory slot, so the
-    record needs no further copy); ``None``: a fresh pinned buffer. ``hold_forward``: the current stream
-    waits for the gather kernel, so the rows' cache blocks may be reused by any work queued after this call
-    (the connector then releases them at once); ``False`` leaves the current stream free and the caller
-    must keep the blocks until the returned event. Per-record CUDA calls cost the worker's step thread ~1 ms
-    per record on the H200 (events, pinned index buffer, upload, gather launches): batching them keeps
-    capture off the engine's critical path. ``index_on_side_stream=False`` and ``delay_cycles`` exist only
-    so a test can show what goes wrong with the index tensor on the wrong stream (the connector never
-    passes them).
+    ``hold_forward``: the current (forward) stream waits for the gather kernel, so the rows' cache blocks may
+    be reused by any work queued after this call (the connector then releases them at once); ``False``
+    leaves the forward stream free and the caller must keep the blocks until the returned event.
+    ``index_on_side_stream=False`` and ``delay_cycles`` exist only so a test can show what goes wrong with
+    the index tensor on the wrong stream (the connector never passes them).
     """
     forward = torch.cuda.current_stream()
     ready = torch.cuda.Event()
     ready.record(forward)  # everything queued so far, including the rows' writes
     side.wait_event(ready)
-    host_slots = torch.cat(slot_lists).pin_memory()
+    host_idx = torch.tensor([b for blocks in block_lists for b in blocks], dtype=torch.int64).pin_memory()
     if index_on_side_stream:
         with torch.cuda.stream(side):
-            dev_slots = host_slots.to(view.device, non_blocking=True)
+            dev_idx = host_idx.to(view.device, non_blocking=True)
     else:
-        dev_slots = host_slots.to(view.device, non_blocking=True)  # WRONG: allocated on the forward stream
+        dev_idx = host_idx.to(view.device, non_blocking=True)  # WRONG: allocated on the forward stream
         side.wait_stream(forward)
     with torch.cuda.stream(side):
         if delay_cycles:
             torch.cuda._sleep(delay_cycles)
-        rows = gather_rows(view, geo, dev_slots)  # a private copy: the cache blocks are no longer read
+        rows = gather_blocks(view, geo, dev_idx)  # a private copy: the cache blocks are no longer read
     gathered = torch.cuda.Event()
     gathered.record(side)
     if hold_forward:
         forward.wait_event(gathered)
-    copy = copy_stream or side
-    if copy is not side:
-        copy.wait_event(gathered)
-    with torch.cuda.stream(copy):
-        hosts, a = [], 0
-        for slots, dst in zip(slot_lists, dsts):
-            b = a + slots.shape[0]
-            host = torch.empty((b - a, *rows.shape[1:]), dtype=rows.dtype, pin_memory=True) if dst is None else dst
-            host.copy_(rows[a:b], non_blocking=True)
+    # The pinned source of the upload must outlive it; the caller holds it with the rows.
+    return rows, gathered, host_idx
+
+
+def copy_to_host(rows: torch.Tensor, spans: list[tuple[int, int]], dsts: list[torch.Tensor | None],
+                 copy_stream: "torch.cuda.Stream", after: "torch.cuda.Event", *, blocking: bool = True):
+    """Queue the device-to-host copies of ``rows[start:start + n]`` for each (start, n) in ``spans`` on
+    ``copy_stream``, after ``after`` (the gather). ``dsts[i]``: page-locked host memory to land record i in
+    (e.g. a registered shared-memory slot, so the record needs no further copy); ``None``: a fresh pinned
+    buffer. Returns (host rows per record, completion event); ``rows`` must stay alive until it completes.
+    Any thread may call this. ``blocking``: a thread that waits on the event sleeps
+    (``cudaEventBlockingSync``) instead of spinning, so the wait keeps no CPU busy in the engine's
+    process."""
+    copy_stream.wait_event(after)
+    hosts = []
+    with torch.cuda.stream(copy_stream):
+        for (a, n), dst in zip(spans, dsts):
+            host = torch.empty((n, *rows.shape[1:]), dtype=rows.dtype, pin_memory=True) if dst is None else dst
+            host.copy_(rows[a:a + n], non_blocking=True)
             hosts.append(host)
-            a = b
-    done = torch.cuda.Event()
-    done.record(copy)
-    # The pinned source of the upload and the device rows must outlive the copies; the caller holds these
-    # until ``done``.
-    return hosts, done, (host_slots, rows)
+    done = torch.cuda.Event(blocking=blocking)
+    done.record(copy_stream)
+    return hosts, done
+
+
+def spans_of(block_lists: list[list[int]], counts: list[int], view_block_size: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each record in a ``gather_on_device`` result."""
+    spans, a = [], 0
+    for blocks, n in zip(block_lists, counts):
+        if n > len(blocks) * view_block_size:
+            raise ValueError(f"{n} rows do not fit {len(blocks)} blocks of {view_block_size}")
+        spans.append((a, n))
+        a += len(blocks) * view_block_size
+    return spans
+
+
+def gather_many_to_host(view: torch.Tensor, geo: ViewGeometry, block_lists: list[list[int]], counts: list[int],
+                        side: "torch.cuda.Stream", dsts: list[torch.Tensor | None], *,
+                        copy_stream: "torch.cuda.Stream | None" = None, **options: Any):
+    """``gather_on_device`` then ``copy_to_host`` (on ``copy_stream``, default ``side``): the first
+    ``counts[i]`` rows of record i's blocks land in host memory. The one-call form the stream tests use;
+    the connector calls the two halves itself, reserving transport memory in between. Returns (host rows per record, completion
+    event of the host copies, keep-alive to hold until then)."""
+    rows, gathered, keep = gather_on_device(view, geo, block_lists, side, **options)
+    spans = spans_of(block_lists, counts, geo.view_block_size)
+    hosts, done = copy_to_host(rows, spans, dsts, copy_stream or side, gathered)
+    return hosts, done, (keep, rows)
 
 
 def register_host(region: torch.Tensor) -> str | None:

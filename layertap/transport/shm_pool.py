@@ -253,7 +253,8 @@ class Pool:
         """Mark the first run of ``span`` free slots as being written; returns its head or ``None``."""
         with self.locked():
             run = 0
-            for i, s in enumerate(self.states()):
+            for i in range(self.num_slots):  # stops at the first fit (no list of every slot's state)
+                s = struct.unpack_from("<I", self.mm, _SLOTS_AT + i * _SLOT_SIZE)[0]
                 run = run + 1 if s == FREE else 0
                 if run == span:
                     head = i - span + 1

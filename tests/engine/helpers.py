@@ -9,7 +9,9 @@ import torch
 from layertap.verify import HFReference, compare
 
 # Small, fp32 (the HF reference runs fp32; cosine >= 0.999 per token and layer), several engines fit in RAM.
-BASE = dict(dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=1024)
+# disable_log_stats=False: the tests read vLLM's counters (prefix-cache hits, block counts); the Tap leaves
+# vLLM's default (off) otherwise
+BASE = dict(dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=1024, disable_log_stats=False)
 
 _REFS: dict[str, HFReference] = {}
 

@@ -16,7 +16,8 @@ from tests.engine.helpers import random_prompts
 
 SHAPE = dict(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512)
 ENGINE = dict(dtype="bfloat16", gpu_memory_utilization=0.2, max_model_len=2048, max_num_seqs=64,
-              max_num_batched_tokens=256, enable_prefix_caching=True)
+              max_num_batched_tokens=256, enable_prefix_caching=True,
+              disable_log_stats=False)  # the tests read vLLM's prefix-cache counters
 _REF = {}
 
 

@@ -7,18 +7,26 @@ stream discipline."""
 import torch
 
 from layertap.engine.cache_view import slots_for, view_geometry
-from layertap.engine.gpu_gather import gather_many_to_host, gather_to_host
+from layertap.engine.gpu_gather import gather_many_to_host
 
 PLANES, HIDDEN, BS, BLOCKS = 3, 256, 16, 64
 DELAY = 200_000_000  # GPU cycles the side stream sleeps before gathering (~0.1 s)
+MINE, OTHER = list(range(0, 32)), list(range(32, 64))  # two requests' cache blocks
+N = 32 * BS - 5  # rows of each (the last block partly filled)
+
+
+def gather_to_host(view, geo, blocks, side, **options):
+    """One record (the connector's call with a single block list)."""
+    hosts, done, keep = gather_many_to_host(view, geo, [blocks], [N], side, [None], **options)
+    return hosts[0], done, keep
 
 
 def setup():
     torch.manual_seed(0)
     view = torch.zeros(BLOCKS, PLANES, BS, HIDDEN, device="cuda")
     geo = view_geometry(tuple(view.shape), PLANES, HIDDEN, plane_axis=1)
-    mine = slots_for(list(range(0, 32)), BS, 0, 32 * BS - 5)
-    other = slots_for(list(range(32, 64)), BS, 0, 32 * BS - 5)
+    mine = slots_for(MINE, BS, 0, N)
+    other = slots_for(OTHER, BS, 0, N)
     a = torch.randn(mine.numel(), PLANES, HIDDEN, device="cuda")
     b = torch.randn(other.numel(), PLANES, HIDDEN, device="cuda")
     view[(mine // BS).cuda(), :, (mine % BS).cuda()] = a
@@ -27,11 +35,11 @@ def setup():
     return view, geo, mine, other, a, b
 
 
-def adversary(other):
-    """What the forward stream does next: allocate a same-size int64 tensor and fill it (with valid slots of
-    another request). If the allocator hands it the gather's index memory, the gather reads wrong rows."""
-    t = torch.empty(other.numel(), dtype=torch.int64, device="cuda")
-    t.copy_(other.cuda(non_blocking=False))
+def adversary():
+    """What the forward stream does next: allocate a same-size int64 tensor and fill it (with valid block ids
+    of another request). If the allocator hands it the gather's index memory, the gather reads wrong rows."""
+    t = torch.empty(len(OTHER), dtype=torch.int64, device="cuda")
+    t.copy_(torch.tensor(OTHER).cuda(non_blocking=False))
     return t
 
 
@@ -41,7 +49,7 @@ def test_gather_waits_for_the_forward_streams_writes():
     fresh = torch.randn_like(a)
     torch.cuda._sleep(DELAY)  # forward stream busy, then it writes new rows
     view[(mine // BS).cuda(), :, (mine % BS).cuda()] = fresh
-    host, done, _keep = gather_to_host(view, geo, mine, side)
+    host, done, _keep = gather_to_host(view, geo, MINE, side)
     done.synchronize()
     assert torch.equal(host, fresh.cpu())
 
@@ -54,8 +62,8 @@ def test_batched_gather_waits_for_writes_and_splits_records_right():
     torch.cuda._sleep(DELAY)
     view[(mine // BS).cuda(), :, (mine % BS).cuda()] = fresh
     dst = torch.empty(other.numel(), PLANES, HIDDEN, pin_memory=True)
-    hosts, done, _keep = gather_many_to_host(view, geo, [mine, other[:7], other], side, [None, None, dst])
-    junk = adversary(other)
+    hosts, done, _keep = gather_many_to_host(view, geo, [MINE, OTHER[:1], OTHER], [N, 7, N], side, [None, None, dst])
+    junk = adversary()
     done.synchronize()
     del junk
     assert torch.equal(hosts[0], fresh.cpu()) and torch.equal(hosts[1], b[:7].cpu())
@@ -65,8 +73,8 @@ def test_batched_gather_waits_for_writes_and_splits_records_right():
 def test_index_tensor_on_side_stream_survives_allocator_reuse():
     view, geo, mine, other, a, _ = setup()
     side = torch.cuda.Stream()
-    host, done, _keep = gather_to_host(view, geo, mine, side, delay_cycles=DELAY, hold_forward=False)
-    junk = adversary(other)
+    host, done, _keep = gather_to_host(view, geo, MINE, side, delay_cycles=DELAY, hold_forward=False)
+    junk = adversary()
     done.synchronize()
     del junk
     assert torch.equal(host, a.cpu())
@@ -76,9 +84,9 @@ def test_wrong_stream_index_tensor_reads_another_requests_rows():
     """The control: the same adversary against an index tensor allocated on the forward stream."""
     view, geo, mine, other, a, b = setup()
     side = torch.cuda.Stream()
-    host, done, _keep = gather_to_host(view, geo, mine, side, index_on_side_stream=False, delay_cycles=DELAY,
+    host, done, _keep = gather_to_host(view, geo, MINE, side, index_on_side_stream=False, delay_cycles=DELAY,
                                        hold_forward=False)
-    junk = adversary(other)
+    junk = adversary()
     done.synchronize()
     del junk
     assert not torch.equal(host, a.cpu()), "allocator reuse did not happen; the control proves nothing"
@@ -91,7 +99,7 @@ def _rewrite_blocks_after_gather(hold_forward: bool):
     view, geo, mine, _, a, _ = setup()
     side, copy = torch.cuda.Stream(), torch.cuda.Stream()
     dst = torch.empty(mine.numel(), PLANES, HIDDEN, pin_memory=True)
-    hosts, done, _keep = gather_many_to_host(view, geo, [mine], side, [dst], copy_stream=copy,
+    hosts, done, _keep = gather_many_to_host(view, geo, [MINE], [N], side, [dst], copy_stream=copy,
                                              hold_forward=hold_forward, delay_cycles=DELAY)
     junk = torch.full_like(a, 7.0)
     view[(mine // BS).cuda(), :, (mine % BS).cuda()] = junk

@@ -11,9 +11,11 @@ from layertap.engine.cache_view import (
     CacheLayoutError,
     GroupInfo,
     find_hidden_group,
+    gather_blocks,
     gather_rows,
     kernel_ratio,
     slots_for,
+    view_blocks_for,
     view_geometry,
     view_index,
 )
@@ -141,6 +143,20 @@ def test_gather_roundtrip_with_kernel_split_and_layouts(layout, manager_bs, kern
         n = truth[name].shape[0]
         got = gather_rows(view, geo, slots_for(blocks, manager_bs, 0, n, num_manager_blocks=n_mgr_blocks))
         assert torch.equal(got, truth[name])
+        # the connector's path: one index per view block, the record's rows a prefix of the blocks' rows
+        vblocks = view_blocks_for(blocks, manager_bs, n, ratio, num_manager_blocks=n_mgr_blocks)
+        assert len(vblocks) == len(blocks) * ratio
+        assert torch.equal(gather_blocks(view, geo, torch.tensor(vblocks))[:n], truth[name])
+
+
+def test_view_blocks_for_counts_blocks_and_names_the_request():
+    assert view_blocks_for([7, 2, 9], 16, 17, 1) == [7, 2]  # 17 rows need 2 blocks of 16
+    assert view_blocks_for([7, 2, 9], 16, 16, 4) == [28, 29, 30, 31]  # kernel blocks of 4 inside block 7
+    assert view_blocks_for([7], 16, 0, 1) == []
+    with pytest.raises(BlockCoverageError, match="req-7.*33 tokens need 3 blocks.*holds 2"):
+        view_blocks_for([1, 2], 16, 33, 1, request="req-7")
+    with pytest.raises(BlockCoverageError, match="req-8.*past the cache of 4"):
+        view_blocks_for([1, 4], 16, 20, 1, request="req-8", num_manager_blocks=4)
 
 
 def test_gather_with_swapped_middle_axes():
