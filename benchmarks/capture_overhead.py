@@ -4,7 +4,9 @@ through an HF transformers second pass (what users do without layertap). One pro
 Prints tokens/s of each and the ratios, per in-flight batch size. By default all variants' engines are
 alive at once and measured in interleaved rounds (``--repeats``), so a ratio compares runs minutes apart
 at most, on the same machine state; ``--separate`` runs one variant after the other instead. Records must be complete when the
-capture call returns: they are counted (and each one's token digest proven by the Tap).
+capture call returns: they are counted (and each one's token digest proven by the Tap). A second table gives
+the driving process's view of every variant (``Timeline``: occupancy, request latency, requests per engine
+output), which tells an engine-side gap from a driver-side one.
 
 Variants (``--variants``; the ratio column is ``capture`` over ``plain``, the others explain the gap):
     plain           vLLM as users run it (its default scheduling)
@@ -14,6 +16,9 @@ Variants (``--variants``; the ratio column is ``capture`` over ``plain``, the ot
     capture         layertap capture (default: hook path, vLLM's default scheduling, records written in
                     place in the shm pool)
     capture-staged  capture, rows staged through a pinned buffer, then copied into the pool
+    capture-writer  capture, transport reservation and host copies queued by the writer thread (off the
+                    engine step, but contending for its GIL)
+    capture-spin    capture whose writer thread spin-waits for the host copies (CUDA's default event)
     capture-sync    capture with async_scheduling=False
     floor-extract   as floor, through vLLM's extract_hidden_states (capture_path="extract")
     capture-extract capture through extract_hidden_states (synchronous scheduling on vLLM 0.25/CUDA)
@@ -72,6 +77,67 @@ def drive(engine, batch: list[list[int]], inflight: int, params_for) -> int:
     return tokens
 
 
+class Timeline:
+    """Where a request's time goes, seen from the driving process: wraps one ``LLMEngine``'s ``add_request``
+    and ``step`` (a few clock reads per call, the same for every variant). Per ``rate`` call it reports
+
+    - occupancy: time-averaged requests in the engine over the in-flight target (below 1: the driver left
+      the engine underfed between a finish and the next admission);
+    - latency: median time from ``add_request`` to the ``step`` call that returned the request finished
+      (the engine's time for one request, plus its output's way back);
+    - per output: median requests finishing per ``step`` call that finished any (how batched steps were).
+    Comparing capture with plain says whether capture's gap is the engine's (latency up, occupancy alike)
+    or the driver's (occupancy down)."""
+
+    def __init__(self, engine):
+        self.events: list[tuple[float, int]] = []  # (time, +1 admitted / -1 finished)
+        self.added: dict[str, float] = {}
+        self.latencies: list[float] = []
+        self.per_output: list[int] = []
+        add, step = engine.add_request, engine.step
+
+        def add_request(request_id, *a, **k):
+            t = time.perf_counter()
+            self.added[request_id] = t
+            self.events.append((t, 1))
+            return add(request_id, *a, **k)
+
+        def step_():
+            outs = step()
+            t = time.perf_counter()
+            n = 0
+            for out in outs:
+                if out.finished:
+                    n += 1
+                    t0 = self.added.pop(out.request_id, None)
+                    if t0 is not None:
+                        self.latencies.append(t - t0)
+                        self.events.append((t, -1))
+            if n:
+                self.per_output.append(n)
+            return outs
+
+        engine.add_request, engine.step = add_request, step_
+
+    def reset(self) -> None:
+        self.events.clear()
+        self.added.clear()
+        self.latencies.clear()
+        self.per_output.clear()
+
+    def summary(self, inflight: int) -> dict[str, float]:
+        ev = sorted(self.events)
+        if len(ev) < 2 or not self.latencies:
+            return {}
+        area, level = 0.0, 0
+        for (t, d), (t_next, _) in zip(ev, ev[1:]):
+            level += d
+            area += level * (t_next - t)
+        return {"occupancy": area / (ev[-1][0] - ev[0][0]) / inflight,
+                "latency_ms": 1e3 * statistics.median(self.latencies),
+                "per_output": statistics.median(self.per_output)}
+
+
 def engine_kwargs(args) -> dict:
     kw = dict(dtype=args.dtype, max_model_len=args.prompt_len + 8, max_num_seqs=max(args.batch_sizes),
               max_num_batched_tokens=max(args.max_num_batched_tokens, args.prompt_len),
@@ -101,7 +167,7 @@ class Plain:
 
         self.data = data
         self.llm = LLM(model=str(model), **engine_kwargs(args), **extra)
-        sp = SamplingParams(max_tokens=1, temperature=0.0)
+        sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)  # as the Tap's prompt mode
         self.params_for = lambda i: sp
 
     def rate(self, inflight: int, data=None) -> float:
@@ -109,6 +175,9 @@ class Plain:
         t0 = time.perf_counter()
         n = drive(self.llm.llm_engine, data, inflight, self.params_for)
         return n / (time.perf_counter() - t0)
+
+    def engine(self):
+        return self.llm.llm_engine
 
     def close(self) -> None:
         shutdown(self.llm)
@@ -133,11 +202,26 @@ class Floor(Plain):
                            kv_transfer_config=compat.kv_transfer_config(extra), **kw)
 
         def params_for(i):
-            sp = SamplingParams(max_tokens=1, temperature=0.0)
+            sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
             sp.extra_args = {"kv_transfer_params": {PARAMS_KEY: {"index": i, "mode": "prompt", "run": "floor"}}}
             return sp
 
         self.params_for = params_for
+
+
+def shm_slot_bytes(args) -> int:
+    """One record per slot: ``--slot-mb``, or the record's rows (prompt x layers x hidden) plus room for its
+    token ids and header."""
+    if args.slot_mb is not None:
+        return args.slot_mb << 20
+    rows = args.prompt_len * len(args.layers) * args.hidden * torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+    return rows + args.prompt_len * 9 + (64 << 10)
+
+
+def shm_slots(args) -> int:
+    """``--shm-slots``, or enough that the pool never caps the in-flight target: the Tap admits a request only
+    while every running request and every record not yet consumed fits the pool's free slots."""
+    return args.shm_slots if args.shm_slots is not None else 2 * max(args.batch_sizes) + 16
 
 
 class Capture:
@@ -149,7 +233,7 @@ class Capture:
         self.inputs = [{"token_ids": ids} for ids in data]
         self.prompt_len = args.prompt_len
         self.tap = Tap(model=model, layers=args.layers, transport=args.transport,
-                       transport_config={"slot_bytes": args.slot_mb << 20, "num_slots": args.shm_slots,
+                       transport_config={"slot_bytes": shm_slot_bytes(args), "num_slots": shm_slots(args),
                                          "checksum": args.checksum} if args.transport == "shm" else None,
                        out=args.out if args.transport == "file" else None, zero_copy=args.transport == "shm",
                        **engine_kwargs(args), **extra)
@@ -167,6 +251,9 @@ class Capture:
             raise SystemExit(f"capture returned {count} records for {len(inputs)} requests")
         return sum(len(x["token_ids"]) for x in inputs) / dt
 
+    def engine(self):
+        return self.tap.llm.llm_engine
+
     def close(self) -> None:
         self.tap.close()
 
@@ -177,6 +264,8 @@ VARIANTS = {
     "floor": lambda m, d, a: Floor(m, d, a),
     "capture": lambda m, d, a: Capture(m, d, a),
     "capture-staged": lambda m, d, a: Capture(m, d, a, connector_options={"direct": False}),
+    "capture-writer": lambda m, d, a: Capture(m, d, a, connector_options={"copy_on_writer": True}),
+    "capture-spin": lambda m, d, a: Capture(m, d, a, connector_options={"blocking_sync": False}),
     "capture-sync": lambda m, d, a: Capture(m, d, a, async_scheduling=False),
     "floor-extract": lambda m, d, a: Floor(m, d, a, path="extract"),
     "capture-extract": lambda m, d, a: Capture(m, d, a, capture_path="extract"),
@@ -184,7 +273,7 @@ VARIANTS = {
 }
 
 
-def measure(variants: list[str], model, data, args) -> dict[str, dict[int, list[float]]]:
+def measure(variants: list[str], model, data, args) -> dict[str, dict]:
     """tokens/s of every (variant, batch size), ``args.repeats`` times.
 
     Paired (the default): every variant's engine is alive at once, and one round measures each batch size
@@ -198,15 +287,21 @@ def measure(variants: list[str], model, data, args) -> dict[str, dict[int, list[
         for r in runners.values():  # warm-up: every batch size's shapes once, on a slice of the data
             for b in args.batch_sizes:
                 r.rate(b, data[: max(b, min(len(data), 2 * b))])
+        timelines = {v: Timeline(r.engine()) for v, r in runners.items()}
         out: dict[str, dict[int, list[float]]] = {v: {b: [] for b in args.batch_sizes} for v in variants}
+        seen: dict[str, dict[int, list[dict]]] = {v: {b: [] for b in args.batch_sizes} for v in variants}
         for rnd in range(args.repeats):
             for b in args.batch_sizes:
                 k = (rnd + args.batch_sizes.index(b)) % len(variants)
                 for v in variants[k:] + variants[:k]:
+                    timelines[v].reset()
                     out[v][b].append(runners[v].rate(b))
-                    print(f"  round {rnd + 1}/{args.repeats} in-flight {b:>3} {v:>22}: {out[v][b][-1]:>10.0f} tok/s",
-                          flush=True)
-        return out
+                    seen[v][b].append(timelines[v].summary(b))
+                    tl = seen[v][b][-1]
+                    print(f"  round {rnd + 1}/{args.repeats} in-flight {b:>3} {v:>22}: {out[v][b][-1]:>10.0f} tok/s"
+                          + (f"  (occupancy {tl['occupancy']:.2f}, latency {tl['latency_ms']:.1f} ms, "
+                             f"{tl['per_output']:.0f} per output)" if tl else ""), flush=True)
+        return {"rates": out, "timeline": seen}
     finally:
         for r in runners.values():
             r.close()
@@ -262,8 +357,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--transport", default="shm", choices=["shm", "file"])
     ap.add_argument("--checksum", default="none",
                     help="shm payload checksum (crc32|sum64|none; the token digest is always checked)")
-    ap.add_argument("--shm-slots", type=int, default=16)
-    ap.add_argument("--slot-mb", type=int, default=64, help="shm slot size in MiB")
+    ap.add_argument("--shm-slots", type=int, default=None,
+                    help="shm pool slots (default: 2 x the largest in-flight target + 16, so the pool never caps it)")
+    ap.add_argument("--slot-mb", type=int, default=None, help="shm slot size in MiB (default: one record's size)")
     ap.add_argument("--out", default="/dev/shm/layertap-bench", help="file transport: dataset directory")
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -302,6 +398,7 @@ def main() -> None:
     # capture engine hung at start-up), so this process never holds an engine.
     groups = [[v] for v in args.variants] if args.separate else [list(args.variants)]
     res: dict[str, dict[int, list[float]]] = {}
+    timeline: dict[str, dict[int, list[dict]]] = {}
     for group in groups:
         print(f"--- {', '.join(group)}", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
@@ -309,8 +406,11 @@ def main() -> None:
             rc = subprocess.call([sys.executable, __file__, *sys.argv[1:], "--child", f"{','.join(group)}:{out}"])
             if rc != 0 or not out.exists():
                 raise SystemExit(f"variants {group} failed (exit {rc})")
-            for v, by_b in json.loads(out.read_text()).items():
+            got = json.loads(out.read_text())
+            for v, by_b in got["rates"].items():
                 res[v] = {int(b): rates for b, rates in by_b.items()}
+            for v, by_b in got["timeline"].items():
+                timeline[v] = {int(b): tls for b, tls in by_b.items()}
     hf = bench_hf(model, data, args) if not args.no_hf else float("nan")
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"\ncapture overhead on {dev}: {args.prompts} x {args.prompt_len}-token prefill, hidden {args.hidden}, "
@@ -340,8 +440,27 @@ def main() -> None:
         rows.append(row)
         print(line)
     print(f"HF transformers second pass (batch {args.hf_batch}, layers copied to host): {hf:.0f} tok/s")
+    print_timeline(timeline, args)
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": dev, "args": vars(args), "rows": rows, "hf": hf}, indent=1))
+        Path(args.json).write_text(json.dumps({"device": dev, "args": vars(args), "rows": rows, "hf": hf,
+                                               "timeline": timeline}, indent=1))
+
+
+def print_timeline(timeline: dict[str, dict[int, list[dict]]], args) -> None:
+    """Medians over rounds of the driver-side timeline (see ``Timeline``)."""
+    print("\ndriver's view (median over rounds): occupancy of the in-flight target / request latency ms / "
+          "requests finished per engine output")
+    print(f"{'in-flight':>9}" + "".join(f" {v:>26}" for v in args.variants))
+    for b in args.batch_sizes:
+        line = f"{b:>9}"
+        for v in args.variants:
+            tls = [t for t in timeline.get(v, {}).get(b, []) if t]
+            if not tls:
+                line += f" {'-':>26}"
+                continue
+            med = {k: statistics.median(t[k] for t in tls) for k in ("occupancy", "latency_ms", "per_output")}
+            line += f" {med['occupancy']:>8.2f} {med['latency_ms']:>9.1f} {med['per_output']:>7.1f}"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,13 @@
 # network). vLLM 0.25.1 arrives as a bundle in two device runs (see ../shared/gpu.md and README "GPU").
 #   bash scripts/gpu_check.sh tests   # CUDA capture correctness (eager + compiled, bf16 vs HF), stream
 #                                      # safety, layer-0 bug detection, tensor parallel 2 if 2 GPUs
-#   bash scripts/gpu_check.sh bench   # capture overhead (hidden 2048, 16 layers, batch 1..64; plain, capture and
+#   bash scripts/gpu_check.sh bench   # capture overhead (hidden 2048, 16 layers, batch 1..64; plain, capture,
+#                                      # capture-spin (writer spin-waits on copies) and
 #                                      # floor engines side by side, BENCH_REPEATS (3) interleaved rounds;
 #                                      # BENCH_VARIANTS=... picks others (see the benchmark docstring))
 #                                      # + trainer MFU (SKIP_TRAIN_BENCH=1: skip)
 #   bash scripts/gpu_check.sh bench-tp2   # the overhead ratio with tensor parallel 2 (two GPUs)
-#   bash scripts/gpu_check.sh profile     # py-spy over plain and capture at PROFILE_INFLIGHT (1) in flight:
+#   bash scripts/gpu_check.sh profile     # py-spy over PROFILE_VARIANTS (plain capture) at PROFILE_INFLIGHT (1):
 #                                          # where a request's time goes, per process and thread (needs
 #                                          # py-spy: on PATH, or its wheel carried as .gpubundle/py_spy-*.whl)
 # Results and logs go to $OUT (the device tool's return folder) or ./gpu-results.
@@ -38,7 +39,7 @@ fi
 bench_args="--hidden 2048 --num-layers 16 --head-dim 128 --vocab 2048 --prompts 256 --prompt-len 1024 --dtype bfloat16 $bench_transport"
 if [ "$phase" = bench ] || [ "$phase" = all ]; then
   CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} python3 benchmarks/capture_overhead.py $bench_args --batch-sizes 1,4,16,64 \
-    --variants ${BENCH_VARIANTS:-plain,capture,floor} --repeats ${BENCH_REPEATS:-3} \
+    --variants ${BENCH_VARIANTS:-plain,capture,capture-spin,floor} --repeats ${BENCH_REPEATS:-3} \
     --json "$OUT/capture_overhead.json" 2>&1 | tee "$OUT/capture_overhead.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING" | tail -24
   rc=$(( rc | PIPESTATUS[0] ))
   if [ -f benchmarks/train_throughput.py ] && [ -z "${SKIP_TRAIN_BENCH:-}" ]; then
@@ -56,7 +57,7 @@ if [ "$phase" = profile ]; then
   if ! command -v py-spy >/dev/null; then
     pip install --target /tmp/pyspy .gpubundle/py_spy-*.whl -q >/dev/null 2>&1 && export PATH=/tmp/pyspy/bin:$PATH
   fi
-  for v in plain capture; do
+  for v in ${PROFILE_VARIANTS:-plain capture}; do
     CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} python3 benchmarks/profile_capture.py --variant $v \
       --inflight ${PROFILE_INFLIGHT:-1} --out "$OUT/profile" $bench_args 2>&1 | head -40
     rc=$(( rc | PIPESTATUS[0] ))

@@ -1,0 +1,81 @@
+"""Device-to-host copy bandwidth into the kinds of host memory a record can land in (GPU only).
+
+    python benchmarks/d2h_bandwidth.py [--mb 16] [--copies 64]
+
+Baseline: page-locked memory from CUDA's allocator (``torch.empty(pin_memory=True)``). Compared with it:
+a shared-memory mapping page-locked with ``cudaHostRegister`` (what the shm transport's pool is when the
+worker copies rows straight into it), and ordinary pageable memory. Capture has to move
+``tokens/s x layers x hidden x bytes`` through this copy; if the registered pool is much slower than the
+baseline, the copy (not the engine) caps capture throughput at large batch sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import tempfile
+import time
+
+import torch
+
+
+def rate(dst: torch.Tensor, src: torch.Tensor, copies: int, non_blocking: bool) -> float:
+    """GB/s of ``copies`` back-to-back copies of src into dst."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=non_blocking)  # warm-up
+        stream.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(copies):
+            dst.copy_(src, non_blocking=non_blocking)
+        stream.synchronize()
+    return copies * src.numel() * src.element_size() / (time.perf_counter() - t0) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mb", type=int, default=16, help="size of one copy (a record of 1024 tokens x 4 layers x 2048 x bf16 is 16 MiB)")
+    ap.add_argument("--copies", type=int, default=64)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("d2h_bandwidth needs a CUDA device")
+    from layertap.engine.gpu_gather import register_host, unregister_host
+
+    n = args.mb << 20
+    src = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16).view(torch.uint8)
+    results: dict[str, float] = {}
+    pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    results["pinned (cudaHostAlloc)"] = rate(pinned, src, args.copies, True)
+
+    fd, path = tempfile.mkstemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        os.ftruncate(fd, n)
+        mm = mmap.mmap(fd, n, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        region = torch.frombuffer(memoryview(mm), dtype=torch.uint8)
+        err = register_host(region)
+        if err is None:
+            results["shm mapping + cudaHostRegister"] = rate(region, src, args.copies, True)
+            unregister_host(region)
+        else:
+            print(f"cudaHostRegister failed: {err}")
+        results["shm mapping, pageable"] = rate(region, src, max(4, args.copies // 8), False)
+        del region
+        mm.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    pageable = torch.empty(n, dtype=torch.uint8)
+    results["pageable (malloc)"] = rate(pageable, src, max(4, args.copies // 8), False)
+
+    base = results["pinned (cudaHostAlloc)"]
+    print(f"device-to-host, {args.mb} MiB per copy, {torch.cuda.get_device_name()}")
+    for k, v in results.items():
+        print(f"  {k:<34} {v:7.1f} GB/s  ratio {v / base:5.2f}")
+    tok = 4 * 2048 * 2
+    print(f"  (a token of 4 layers x 2048 x bf16 is {tok} bytes: the registered pool carries "
+          f"{results.get('shm mapping + cudaHostRegister', 0) * 1e9 / tok / 1e3:,.0f}K tokens/s)")
+
+
+if __name__ == "__main__":
+    main()
