@@ -214,7 +214,7 @@ def shm_slot_bytes(args) -> int:
     token ids and header."""
     if args.slot_mb is not None:
         return args.slot_mb << 20
-    rows = args.prompt_len * len(args.layers) * args.hidden * torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+    rows = args.prompt_len * len(args.layers) * args.hidden * getattr(torch, args.dtype).itemsize
     return rows + args.prompt_len * 9 + (64 << 10)
 
 

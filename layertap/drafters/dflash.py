@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layertap.drafters.common import MLP, RMSNorm, merge_heads, rope
+from layertap.drafters.common import MLP, RMSNorm, rope
 from layertap.drafters.eagle3 import StepStats
 from layertap.train.config import DFlashConfig
 

@@ -50,7 +50,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from layertap.engine import compat
 from layertap.engine.cache_view import (
-    BlockCoverageError,
     CacheLayoutError,
     find_hidden_group,
     gather_blocks,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 
-import torch
 
 from layertap.verify import HFReference, compare
 

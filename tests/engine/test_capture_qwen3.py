@@ -3,7 +3,6 @@ group), under concurrency, chunked prefill, prefix caching, over-length inputs, 
 One engine for the module; every record is checked against HF transformers."""
 
 import pytest
-import torch
 
 from layertap.engine.connector import PARAMS_KEY
 from layertap.models.tiny import tiny_model

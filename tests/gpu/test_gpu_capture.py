@@ -2,7 +2,6 @@
 per token and layer), with concurrency, chunked prefill and prefix caching; the layer-0 eager-mode bug of
 vLLM 0.25 is refused up front and caught by the first-record check; tensor parallel 2 when two GPUs."""
 
-import os
 
 import pytest
 import torch
