@@ -284,7 +284,7 @@ def _loop(tap: "Tap", jobs: list[_Job], s: _Settings, lora_request: Any, priorit
             owner.update({k: job for k in job.keys})
             by_rid[ext] = job
         if by_rid:
-            for out in engine.step():
+            for out in tap.step():
                 if out.finished:
                     by_rid.pop(out.request_id).output = out
                     last_progress = time.monotonic()

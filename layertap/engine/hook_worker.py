@@ -1,11 +1,15 @@
-"""The worker class vLLM loads (``worker_cls``) for hook capture: vLLM's own worker for this platform,
-with the capture hook installed right after the model is loaded (``compat.install_capture_hook``)."""
+"""The worker class vLLM loads (``worker_cls``): vLLM's own worker for this platform, with layertap's
+additions installed right after the model is loaded (``compat.prepare_worker``: the hook capture path,
+and on the CPU build the seeded-sampling fix). Importing it in an engine process under a Tap also
+registers the watchdog's stack dumps there (``watchdog.register_stack_dumps``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from layertap.engine import compat
+from layertap.engine import compat, watchdog
+
+watchdog.register_stack_dumps()
 
 _Base: Any = compat.platform_worker_class()
 
@@ -13,4 +17,4 @@ _Base: Any = compat.platform_worker_class()
 class LayertapWorker(_Base):  # type: ignore[misc, valid-type]
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
-        compat.install_capture_hook(self.model_runner, self.vllm_config)
+        compat.prepare_worker(self.model_runner, self.vllm_config)

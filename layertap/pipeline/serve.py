@@ -82,8 +82,8 @@ def server_argv(args: argparse.Namespace, tcfg: dict[str, Any], meta: dict[str, 
     extra = {"transport": tcfg, "run_meta": meta, "capture_all": bool(args.capture_all), "owner": owner_info(),
              "default_mode": "generate", "capture_path": path, "layer_ids": list(ids)}
     capture = compat.engine_capture_kwargs(path, ids, {})
-    flags = (["--speculative-config", json.dumps(capture["speculative_config"])] if "speculative_config" in capture
-             else ["--worker-cls", capture["worker_cls"]])
+    flags = [*(["--speculative-config", json.dumps(capture["speculative_config"])] if "speculative_config" in capture
+               else []), *(["--worker-cls", capture["worker_cls"]] if "worker_cls" in capture else [])]
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", meta["model"],
             "--host", args.host, "--port", str(args.port), *flags,
             "--kv-transfer-config", json.dumps(compat.kv_transfer_config(extra)),

@@ -78,7 +78,6 @@ def test_sampled_n2_concurrent_prefix_cached_chunked(tap, model):
     suffixes = random_prompts(24, [3, 20, 45], seed=12)
     prompts = [{"prompt_token_ids": prefixes[i % 3]["token_ids"] + s["token_ids"]} for i, s in enumerate(suffixes)]
     hits0 = metric(tap.llm, "vllm:prefix_cache_hits")
-    # No per-request seed: the CPU build cannot seed per request with spec decode.
     sp = SamplingParams(max_tokens=20, temperature=0.8, n=2, logprobs=2, ignore_eos=True)
     outs = tap.generate(prompts, sp, logits_at="generated")
     assert metric(tap.llm, "vllm:prefix_cache_hits") - hits0 >= 128, "expected prefix-cache hits"
@@ -96,6 +95,26 @@ def test_sampled_n2_concurrent_prefix_cached_chunked(tap, model):
             tokens += assert_sample_matches_hf(model, out, comp)
     assert tokens > 24 * 2 * 140
     assert any(o.outputs[0].token_ids != o.outputs[1].token_ids for o in outs), "samples should differ"
+
+
+def test_seeded_sampling_with_chunked_prefill_matches_plain_vllm(tap, model):
+    """Per-request seeds with prompts longer than a step's token budget (chunked prefill): once an engine
+    death on the CPU build. Rows match HF; the outputs equal vLLM's own ``generate`` with the same seeds
+    (its prompts then hit the prefix cache: fewer chunks, so the discarded draws of the first run's
+    partial prefills must have been undone); another seed samples differently."""
+    from vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": p["token_ids"]} for p in random_prompts(3, [300, 260], seed=21)]
+    sp = SamplingParams(max_tokens=12, temperature=0.8, n=2, seed=3, ignore_eos=True)
+    ours = tap.generate(prompts, sp)
+    plain = tap.llm.generate(prompts, sp, use_tqdm=False)
+    other = tap.llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.8, n=2, seed=4, ignore_eos=True),
+                             use_tqdm=False)
+    for a, b, c in zip(ours, plain, other):
+        assert [x.token_ids for x in a.outputs] == [y.token_ids for y in b.outputs]
+        assert [x.token_ids for x in a.outputs] != [z.token_ids for z in c.outputs]
+        for comp in a.outputs:
+            assert_sample_matches_hf(model, a, comp)
 
 
 def test_greedy_outputs_equal_plain_vllm_and_pre_norm_option(tap, model):

@@ -69,8 +69,7 @@ def test_generate_mode_rows_cover_prompt_and_generated_tokens(tap, model):
     from vllm import SamplingParams
 
     inputs = random_prompts(12, [5, 60, 130], seed=7)
-    # No per-request seed: the CPU build cannot seed per request with spec decode ("CPU Generator does
-    # not use offset"). Sampling is random; the rows must still match HF for whatever was sampled.
+    # Unseeded sampling: the rows must match HF for whatever was sampled (seeds: the next test).
     sp = SamplingParams(max_tokens=24, temperature=0.8, ignore_eos=True)
     recs = list(tap.capture(inputs, mode="generate", sampling_params=sp))
     assert len(recs) == 12
@@ -81,6 +80,27 @@ def test_generate_mode_rows_cover_prompt_and_generated_tokens(tap, model):
         assert r.token_ids[:p].tolist() == inputs[r.index]["token_ids"]
         assert r.meta["next_token_id"] is not None
     assert_all_match(recs, model)
+
+
+def test_seeded_sampling_with_chunked_prefill(tap, model):
+    """A per-request seed with prompts prefilled in several chunks (300 tokens, 128 per step) once killed
+    the CPU engine ("CPU Generator does not use offset"). Now: rows match HF, and a rerun whose prompts
+    hit the prefix cache (fewer chunks, so no discarded draws) samples the same tokens: the discarded
+    draws of the partial prefills were undone, as on CUDA."""
+    from vllm import SamplingParams
+
+    inputs = random_prompts(4, [300, 270], seed=41)
+    sp = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
+    first = {r.index: r for r in tap.capture(inputs, mode="generate", sampling_params=sp)}
+    again = {r.index: r for r in tap.capture(inputs, mode="generate", sampling_params=sp)}
+    other = {r.index: r for r in tap.capture(inputs, mode="generate",
+                                             sampling_params=SamplingParams(max_tokens=16, temperature=0.8, seed=4,
+                                                                            ignore_eos=True))}
+    assert sorted(first) == sorted(again) == sorted(other) == [0, 1, 2, 3]
+    for i in first:
+        assert first[i].token_ids.tolist() == again[i].token_ids.tolist(), f"input {i}: seed 3 sampled differently"
+    assert any(first[i].token_ids.tolist() != other[i].token_ids.tolist() for i in first), "seeds 3 and 4 agree"
+    assert_all_match(list(first.values()) + list(other.values()), model)
 
 
 def test_aborted_request_leaves_no_record_and_no_blocks(tap, model):

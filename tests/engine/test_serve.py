@@ -43,7 +43,7 @@ def server(tmp_path_factory):
     log = open(out.parent / "serve.log", "w")
     cmd = [sys.executable, "-m", "layertap", "serve", "--model", str(trained_target()), "--layers", "1,2,3,4",
            "--out", str(out), "--port", str(port), "--max-model-len", "1024", "--enforce-eager",
-           "--kv-cache-memory-bytes", str(64 << 20)]
+           "--kv-cache-memory-bytes", str(64 << 20), "--max-num-batched-tokens", "64"]  # prompts > 64: chunked
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -59,9 +59,9 @@ def server(tmp_path_factory):
         log.close()
 
 
-def _complete(url: str, prompt: str, capture: bool) -> dict:
+def _complete(url: str, prompt: str, capture: bool, **sampling) -> dict:
     body = {"model": str(trained_target()), "prompt": prompt, "max_tokens": 12, "temperature": 0.0,
-            "return_token_ids": True}
+            "return_token_ids": True, **sampling}
     if capture:
         body["kv_transfer_params"] = {"layertap": {}}
     r = requests.post(url + "/v1/completions", json=body, timeout=60)
@@ -76,7 +76,8 @@ def test_only_the_opted_in_request_is_captured(server):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and len(load_records(out)) < 1:
         time.sleep(0.2)
-    time.sleep(1.0)  # a second record, if one were wrongly written, would have landed by now
+    # No wait for a stray record: the plain request finished before the captured one started, so a record
+    # wrongly written for it would have committed before the captured request's record.
     ds = load_records(out)
     assert len(ds) == 1, f"{len(ds)} records"
     rec = ds[0]
@@ -89,3 +90,25 @@ def test_only_the_opted_in_request_is_captured(server):
     assert rec.hidden_states.shape[:2] == (len(want), 4)
     assert plain["choices"][0]["text"]  # the other request was served normally
     assert json.loads((out / "dataset.json").read_text())["layer_ids"] == [1, 2, 3, 4]
+
+
+def test_seeded_sampling_with_chunked_prefill_is_served_and_captured(server):
+    """A seeded, sampled completion whose prompt is prefilled in chunks (> 64 tokens, 64 per step) once
+    killed the CPU engine. Now it is served and captured, and the same request again (its prompt then hits
+    the prefix cache: fewer chunks) samples the same tokens, so the discarded draws were undone."""
+    url, out = server
+    prompt = "import os\nimport sys\n" * 20
+    n0 = len(load_records(out))
+    a = _complete(url, prompt, capture=True, temperature=0.9, seed=5, n=2)
+    b = _complete(url, prompt, capture=True, temperature=0.9, seed=5, n=2)
+    assert len(a["choices"][0]["prompt_token_ids"]) > 64
+    assert [c["token_ids"] for c in a["choices"]] == [c["token_ids"] for c in b["choices"]]
+    assert requests.get(url + "/health", timeout=5).status_code == 200
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(load_records(out)) < n0 + 4:
+        time.sleep(0.2)
+    recs = [load_records(out)[i] for i in range(n0, len(load_records(out)))]
+    assert len(recs) == 4, f"{len(recs)} records for 2 requests x n=2"
+    want = sorted(list(c["prompt_token_ids"] or a["choices"][0]["prompt_token_ids"]) + list(c["token_ids"])[:-1]
+                  for c in a["choices"] + b["choices"])
+    assert sorted(r.token_ids.tolist() for r in recs) == want
