@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from typing import Any
 
@@ -124,15 +123,10 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     if args.ray_engines:
         return _train_ray(cfg, args.ray_engines, args.resume)
-    from layertap.pipeline.run import INTERRUPTED
-
-    def interrupt(*_: object) -> None:
-        INTERRUPTED.set()  # checked between phases too, in case a library swallows the exception
-        raise KeyboardInterrupt
+    from layertap.pipeline.run import INTERRUPTED, install_interrupt_handlers
 
     # SIGTERM takes the same clean path as Ctrl-C (KeyboardInterrupt unwinds every `finally`).
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
+    install_interrupt_handlers()
     try:
         rep = run(cfg, resume=args.resume)
     except BaseException as e:

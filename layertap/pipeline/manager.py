@@ -84,10 +84,14 @@ class InferenceManager:
 
     def __init__(self, tap_factory: Callable[[], TapLike], items: list[InputItem], *, mode: str = "prompt",
                  sampling_params: Any = None, skip: set[int] | None = None, queue_records: int = 32,
-                 retries: int = 1):
+                 retries: int = 1, should_stop: Callable[[], bool] | None = None):
+        """``should_stop``: asked before a retry (and when a pass fails) whether the run is being stopped
+        (``layertap train`` passes its signal check): an engine that died of the user's Ctrl-C is not
+        restarted."""
         self.factory = tap_factory
         self.items = [it for it in items if not skip or it.index not in skip]
         self.mode, self.sp, self.retries = mode, sampling_params, retries
+        self._should_stop = should_stop or (lambda: False)
         self.q: queue.Queue[Any] = queue.Queue(maxsize=queue_records)
         self.stop = threading.Event()
         self.rates = Rates(submitted=len(self.items))
@@ -119,7 +123,7 @@ class InferenceManager:
                 log.warning("retrying %d inputs once on a fresh engine: %s", len(pending),
                             ", ".join(str(it.index) for it in pending[:20]))
             err = self._one_pass(pending, received)
-            if self.stop.is_set():
+            if self._stopping():
                 return
             first_error = first_error or err
             pending = [it for it in pending if it.index not in received and it.index not in self.rates.rejected]
@@ -139,6 +143,8 @@ class InferenceManager:
         from layertap.tap import CaptureError
 
         with self._lock:
+            if self._stopping():
+                return None
             if self._tap is None:
                 self._tap = self.factory()
             tap = self._tap
@@ -155,7 +161,7 @@ class InferenceManager:
                 if not self._put(rec):
                     return None
         except CaptureError as e:
-            if self.stop.is_set():
+            if self._stopping():
                 return None
             log.error("capture pass ended early: %s", e)
             self._close_tap()
@@ -164,6 +170,9 @@ class InferenceManager:
             for r in tap.rejected[n_rej:]:
                 self.rates.rejected[r.index] = r.reason
         return None
+
+    def _stopping(self) -> bool:
+        return self.stop.is_set() or self._should_stop()
 
     def _put(self, item: Any, final: bool = False) -> bool:
         """Blocking put that gives up when stopped (the consumer is gone); ``final`` always lands."""

@@ -43,8 +43,51 @@ on to export and evaluate); the run also checks this flag between phases and at 
 always stops it."""
 
 
-def check_interrupted() -> None:
+_WAKEUP: list = []  # [read socket] once install_interrupt_handlers ran
+
+
+def install_interrupt_handlers() -> None:
+    """Ctrl-C and SIGTERM stop ``layertap train`` cleanly: a KeyboardInterrupt in the main thread (every
+    ``finally`` runs: engine down, shared memory freed) and ``INTERRUPTED`` for the places that check.
+
+    Python runs a signal's handler in the main thread only, possibly much later than the signal arrived
+    (the main thread may be inside a long torch op). Ctrl-C reaches the whole process group at once, so the
+    engine core dies of the same signal and the producer thread can see that death *before* the main
+    thread's handler ran; it must not take it for a crash and retry on a fresh engine (that engine and
+    its shared-memory pool were what a Ctrl-C could leave behind). The C-level handler, which runs as soon
+    as the signal is delivered to this process, writes to a wakeup fd; ``interrupted()`` reads it, so any
+    thread knows of the signal as soon as the process has it."""
+    import signal
+    import socket
+
+    def interrupt(*_: object) -> None:
+        INTERRUPTED.set()
+        raise KeyboardInterrupt
+
+    if not _WAKEUP:
+        r, w = socket.socketpair()
+        r.setblocking(False)
+        w.setblocking(False)
+        signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+        _WAKEUP.extend([r, w])
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def interrupted() -> bool:
+    """True once SIGINT/SIGTERM reached this process (from any thread, before the handler has run)."""
     if INTERRUPTED.is_set():
+        return True
+    if _WAKEUP:
+        import select
+
+        if select.select([_WAKEUP[0]], [], [], 0)[0]:
+            INTERRUPTED.set()
+    return INTERRUPTED.is_set()
+
+
+def check_interrupted() -> None:
+    if interrupted():
         raise KeyboardInterrupt
 
 
@@ -155,7 +198,7 @@ def run(cfg: PipelineConfig, *, resume: bool = False) -> dict[str, Any]:
     loop.evals = evals if cfg.eval.enabled else None
     mgr = InferenceManager(tap_factory(cfg, plan, out), plan.items, mode=plan.mode,
                            sampling_params=sampling_params(plan), skip=loop.consumed,
-                           queue_records=cfg.capture.queue_records)
+                           queue_records=cfg.capture.queue_records, should_stop=interrupted)
     print(f"layertap train: {cfg.drafter} on {plan.target}; {len(mgr.items)} inputs to capture "
           f"({len(loop.consumed)} already trained on), layers {plan.layers}, {cfg.capture.transport}", flush=True)
     try:

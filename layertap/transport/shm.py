@@ -3,7 +3,7 @@
 Who does what (see ``shm_pool`` for the layout and the slot life cycle):
 
 - ``ShmTransport.prepare`` (consumer process, before the engine starts) creates and pre-allocates the
-  pool ``/dev/shm/layertap-<uuid>`` and registers it with Python's resource tracker, a separate process
+  pool ``/dev/shm/layertap-<pid>-<uuid>`` and registers it with Python's resource tracker, a separate process
   that unlinks it if the consumer dies without cleaning up (``kill -9``).
 - ``ShmSink`` (vLLM worker process) maps the pool, registers itself as a writer, and ``put`` claims free
   slots, serializes the record straight into them, then commits (checksum + sequence number) under the
@@ -382,7 +382,8 @@ class ShmTransport(Transport):
             raise ValueError(f"shm pool needs num_slots >= 1 and slot_bytes >= {sp.PAGE}, got {num_slots}, {slot_bytes}")
         config = {**config, "checksum": str(config.get("checksum", DEFAULT_CHECKSUM))}
         sp.checksum(memoryview(b""), config["checksum"])
-        name = f"layertap-{uuid.uuid4().hex[:16]}"
+        # The creator's pid in the name: an operator (or a test) can tell whose pool a segment is.
+        name = f"layertap-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         size = sp.Pool.create(name, num_slots, slot_bytes)
         resource_tracker.register("/" + name, "shared_memory")  # unlinked by the tracker if we die
         _TRACKED.add(name)

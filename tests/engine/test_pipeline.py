@@ -34,8 +34,10 @@ def _cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "layertap", "train", *args]
 
 
-def _shm() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("layertap-")}
+def _shm(pid: int) -> set[str]:
+    """The shm pools process ``pid`` created (pool names carry their creator's pid), so another run on the
+    same machine (a second test suite, a demo) cannot make this check pass or fail."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"layertap-{pid}-")}
 
 
 def _wait(pred, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
@@ -96,17 +98,17 @@ def _left_behind(kids: list[psutil.Process], timeout: float) -> list[str]:
 def interrupted(tmp_path_factory):
     """Run 1, interrupted by SIGINT after the first checkpoint; returns (out, rc, seconds, leftovers, shm)."""
     out = tmp_path_factory.mktemp("pipeline") / "run"
-    shm_before = _shm()
     proc, log = _launch(out)
     try:
         kids = _running_with_checkpoint(out, proc)
+        assert _shm(proc.pid), "the run's shm pool is not named after its pid"
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         rc = proc.wait(timeout=90)
         took = time.monotonic() - t0
     finally:
         _reap(proc, log)
-    return out, rc, took, _left_behind(kids, 10), _shm() - shm_before
+    return out, rc, took, _left_behind(kids, 10), _shm(proc.pid)
 
 
 def test_sigint_exits_cleanly(interrupted):
@@ -157,19 +159,19 @@ def killed(tmp_path_factory):
     """A run whose main process is killed with SIGKILL (no handler runs: what the OOM killer does) after a
     checkpoint; returns (out, leftover processes after 30 s, shm left after 30 s, consumed at the kill)."""
     out = tmp_path_factory.mktemp("pipeline-kill") / "run"
-    shm_before = _shm()
     proc, log = _launch(out)
     try:
         kids = _running_with_checkpoint(out, proc)
+        assert _shm(proc.pid), "the run's shm pool is not named after its pid"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         _reap(proc, log)
     left = _left_behind(kids, 30)
     deadline = time.monotonic() + 30
-    while _shm() - shm_before and time.monotonic() < deadline:
+    while _shm(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.5)
-    return out, left, _shm() - shm_before, _ckpt_consumed(out)
+    return out, left, _shm(proc.pid), _ckpt_consumed(out)
 
 
 def test_sigkill_leaves_nothing_and_resume_finishes(killed):
