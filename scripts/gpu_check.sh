@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, in one script, for the lent GPU machine (bare: torch 2.11 + transformers, no vLLM, no
 # network). vLLM 0.25.1 arrives as a bundle in two device runs (see ../shared/gpu.md and README "GPU").
+#   bash scripts/gpu_check.sh startup # run first on a bare machine: Tap, plain LLM, Tap starts under the
+#                                      # start-up watchdog (START_TIMEOUT, 240 s), times + hang reports
 #   bash scripts/gpu_check.sh tests   # CUDA capture correctness (eager + compiled, bf16 vs HF), stream
 #                                      # safety, layer-0 bug detection, tensor parallel 2 if 2 GPUs
 #   bash scripts/gpu_check.sh bench   # capture overhead (hidden 2048, 16 layers, batch 1..64; plain, capture,
@@ -32,6 +34,11 @@ shm_gb=$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)
 bench_transport="--transport shm --slot-mb 17 --shm-slots 160"
 [ "$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)" -lt 4 ] && bench_transport="--transport file --out /tmp/lt-bench"
 rc=0
+if [ "$phase" = startup ]; then  # first thing on a bare machine: engine starts under the watchdog
+  python3 benchmarks/startup_probe.py --start-timeout ${START_TIMEOUT:-240} --json "$OUT/startup_probe.json" 2>&1 \
+    | tee "$OUT/startup_probe.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|^(APIServer" | tail -80
+  rc=${PIPESTATUS[0]}
+fi
 if [ "$phase" = tests ] || [ "$phase" = all ]; then
   python3 -m pytest -q -p no:cacheprovider -s tests/gpu ${GPU_TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|^(APIServer" | tail -60
   rc=${PIPESTATUS[0]}
