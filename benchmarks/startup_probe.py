@@ -5,7 +5,7 @@ In order, in one process: the first Tap start of the run (a small Llama, bf16, c
 chunked prefill) with a short capture, a plain ``vllm.LLM`` start of the same model, and a second Tap
 start. Every Tap start runs under layertap's start-up watchdog (``--start-timeout``): a hang ends in
 ``EngineStartTimeout`` with the report of where the engine's processes stand (state, kernel wait, Python
-stacks, last log lines), which this script prints and stores. Prints one line per start; ``--json``
+stacks, last log lines), which this script prints and stores; plain starts get the same watchdog. Prints one line per start; ``--json``
 writes them.
 
     python benchmarks/startup_probe.py --json startup.json --start-timeout 300
@@ -15,14 +15,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
+
+from layertap.engine import watchdog
+
+# vLLM spawns its engine processes, which import this module as __mp_main__: there this registers the
+# watchdog's stack dumps (plain vLLM engines do not load layertap's worker class, which does it otherwise).
+watchdog.register_stack_dumps()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--starts", default="tap,plain,tap", help="comma-separated: tap | plain, in order")
+    ap.add_argument("--starts", default="tap,plain,tap,plain", help="comma-separated: tap | plain, in order")
     args = ap.parse_args()
 
     import torch
@@ -48,7 +55,14 @@ def main() -> int:
                     recs = list(tap.capture(prompts))
                     row["records"] = len(recs)
             else:
-                llm = LLM(model=str(model), **eng)
+                wd = watchdog.Watchdog(args.start_timeout, 600, watchdog.new_diag_dir())
+                os.environ[watchdog.DIAG_ENV] = str(wd.diag)
+                try:
+                    with wd.starting():
+                        llm = LLM(model=str(model), **eng)
+                finally:
+                    os.environ.pop(watchdog.DIAG_ENV, None)
+                    wd.close()
                 row["start_s"] = round(time.monotonic() - t0, 1)
                 llm.generate([{"prompt_token_ids": p["token_ids"]} for p in prompts],
                              SamplingParams(max_tokens=1), use_tqdm=False)

@@ -18,7 +18,9 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
+import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -76,14 +78,21 @@ def register_stack_dumps() -> Path | None:
 # ----------------------------------------------------------------------------------------------
 
 def _stat(pid: int) -> dict | None:
+    st = _stat_path(Path(f"/proc/{pid}/stat"))
+    if st is not None:
+        st["pid"] = pid
+    return st
+
+
+def _stat_path(path: Path) -> dict | None:
     try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes()
+        raw = path.read_bytes()
     except OSError:
         return None
     head, tail = raw.rsplit(b")", 1)
     f = tail.split()
     tick = os.sysconf("SC_CLK_TCK")
-    return {"pid": pid, "comm": head.split(b"(", 1)[1].decode(errors="replace"), "state": f[0].decode(),
+    return {"comm": head.split(b"(", 1)[1].decode(errors="replace"), "state": f[0].decode(),
             "ppid": int(f[1]), "cpu_s": (int(f[11]) + int(f[12])) / tick, "threads": int(f[17]),
             "start": int(f[19])}
 
@@ -139,15 +148,45 @@ def report(procs: list[dict], diag: Path | None, wait_dumps: float = 2.0) -> str
         wchan = _read(Path(f"/proc/{p['pid']}/wchan"), 80) or "?"
         lines.append(f"  pid {p['pid']} {now['comm']!r} state {now['state']} wchan {wchan} cpu {now['cpu_s']:.1f}s "
                      f"threads {now['threads']}: {_cmdline(p['pid'])}")
+        lines.append("    threads (name state wchan cpu): " + _threads(p["pid"]))
     if diag is not None:
         for p in procs:
             stacks = _read(diag / f"stacks-{p['pid']}.txt").strip()
             if stacks:
                 lines.append(f"--- Python stacks of pid {p['pid']} (most recent call first) ---\n{stacks}")
+            if not stacks and shutil.which("py-spy"):  # an engine process that did not register (plain vLLM)
+                stacks = _py_spy(p["pid"])
+                if stacks:
+                    lines.append(f"--- py-spy dump --native of pid {p['pid']} ---\n{stacks}")
             tail = _read(diag / f"engine-{p['pid']}.log").strip().splitlines()[-LOG_TAIL:]
             if tail:
                 lines.append(f"--- last {len(tail)} log lines of pid {p['pid']} ---\n" + "\n".join(tail))
     return "\n".join(lines)
+
+
+def _py_spy(pid: int, timeout: float = 30.0) -> str:
+    try:
+        r = subprocess.run(["py-spy", "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
+                           timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"(py-spy failed: {e})"
+    return (r.stdout or r.stderr).strip()[-20000:]
+
+
+def _threads(pid: int, limit: int = 40) -> str:
+    """Each thread's name, state, kernel wait and CPU seconds: where a process blocked in native code
+    (a CUDA call, a lock, a socket) waits, which its Python stacks alone do not show."""
+    out = []
+    try:
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return "?"
+    for tid in tids[:limit]:
+        st = _stat_path(Path(f"/proc/{pid}/task/{tid}/stat"))
+        if st is not None:
+            wchan = _read(Path(f"/proc/{pid}/task/{tid}/wchan"), 60) or "?"
+            out.append(f"{st['comm']}:{st['state']}:{wchan}:{st['cpu_s']:.1f}")
+    return ", ".join(out) + (f" (+{len(tids) - limit} more)" if len(tids) > limit else "")
 
 
 def kill(procs: list[dict]) -> None:
