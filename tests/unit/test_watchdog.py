@@ -18,8 +18,8 @@ SLEEPER = ("import logging, os, time\n"
            "watchdog.register_stack_dumps()\n"
            "logging.getLogger('vllm').warning('sleeper is up')\n"
            "def stuck_here():\n"
+           "    print('ready', flush=True)  # from inside: a stack dump taken after this shows the frame\n"
            "    time.sleep(120)\n"
-           "print('ready', flush=True)\n"
            "stuck_here()\n")
 
 
