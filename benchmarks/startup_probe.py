@@ -29,6 +29,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plain-spawn", action="store_true", help="start the plain engines with spawn too")
     ap.add_argument("--starts", default="tap,plain,tap,plain", help="comma-separated: tap | plain, in order")
     args = ap.parse_args()
 
@@ -57,11 +58,14 @@ def main() -> int:
             else:
                 wd = watchdog.Watchdog(args.start_timeout, 600, watchdog.new_diag_dir())
                 os.environ[watchdog.DIAG_ENV] = str(wd.diag)
+                if args.plain_spawn:  # what a Tap sets (compat.engine_env); plain vLLM forks by default
+                    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
                 try:
                     with wd.starting():
                         llm = LLM(model=str(model), **eng)
                 finally:
                     os.environ.pop(watchdog.DIAG_ENV, None)
+                    os.environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
                     wd.close()
                 row["start_s"] = round(time.monotonic() - t0, 1)
                 llm.generate([{"prompt_token_ids": p["token_ids"]} for p in prompts],

@@ -38,7 +38,7 @@ if [ "$phase" = startup ]; then  # first thing on a bare machine: engine starts 
   if ! command -v py-spy >/dev/null; then  # the watchdog's report then carries native stacks of plain engines
     pip install --target /tmp/pyspy .gpubundle/py_spy-*.whl -q >/dev/null 2>&1 && export PATH=/tmp/pyspy/bin:$PATH
   fi
-  python3 benchmarks/startup_probe.py --start-timeout ${START_TIMEOUT:-240} --json "$OUT/startup_probe.json" 2>&1 \
+  python3 benchmarks/startup_probe.py --start-timeout ${START_TIMEOUT:-240} --starts ${STARTS:-tap,plain,tap,plain} ${PROBE_ARGS:-} --json "$OUT/startup_probe.json" 2>&1 \
     | tee "$OUT/startup_probe.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|^(APIServer" | tail -80
   rc=${PIPESTATUS[0]}
 fi

@@ -106,10 +106,19 @@ def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
 
 
 CPU_RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+MP_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 
 
 def engine_env(on_cuda: bool, kw: dict[str, Any], environ: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment variables a capture engine needs set before it starts (empty on CUDA).
+    """Environment variables a capture engine needs set before it starts.
+
+    Spawned engine processes, on both platforms, unless the user chose (``VLLM_WORKER_MULTIPROC_METHOD``).
+    vLLM forks its engine core when this process has not initialized CUDA. A fork inherits GNU OpenMP's
+    state but not its worker threads, so once this process has run a multi-threaded torch CPU op (proving a
+    record, building a model, an HF pass) the forked engine deadlocks in its first parallel CPU op: on the
+    H200 every engine start after the first in one process hung after "Using V2 Model Runner" (py-spy:
+    ``torch.zeros`` in libgomp, from the V2 runner's ``UvaBuffer``), and a start after any earlier CPU
+    work in the process would too. With spawn the engine starts clean (its module imports once more).
 
     vLLM's CPU backend reserves one more core for the engine when any KV connector is configured (meant
     for NIXL's transfer thread), and on a small machine that leaves the worker bound to fewer cores than
@@ -120,10 +129,18 @@ def engine_env(on_cuda: bool, kw: dict[str, Any], environ: dict[str, str] | None
     engines reserve what vLLM reserves without a connector: one core per local worker. A value the user
     set wins."""
     environ = os.environ if environ is None else environ
-    if on_cuda or CPU_RESERVED_ENV in environ:
-        return {}
-    workers = int(kw.get("tensor_parallel_size") or 1) * int(kw.get("pipeline_parallel_size") or 1)
-    return {CPU_RESERVED_ENV: str(workers)}
+    out: dict[str, str] = {}
+    method = environ.get(MP_METHOD_ENV)
+    if method is None:
+        out[MP_METHOD_ENV] = "spawn"
+    elif method == "fork":
+        log.warning("layertap: %s=fork: a vLLM engine forked from a process that has run multi-threaded torch "
+                    "CPU work (OpenMP) deadlocks in its first parallel CPU op (seen on the H200: start-up hung "
+                    "after 'Using V2 Model Runner'); layertap's default is spawn", MP_METHOD_ENV)
+    if not on_cuda and CPU_RESERVED_ENV not in environ:
+        workers = int(kw.get("tensor_parallel_size") or 1) * int(kw.get("pipeline_parallel_size") or 1)
+        out[CPU_RESERVED_ENV] = str(workers)
+    return out
 
 
 @contextlib.contextmanager
