@@ -98,16 +98,16 @@ def test_seeded_sampling_with_chunked_prefill_is_served_and_captured(server):
     the prefix cache: fewer chunks) samples the same tokens, so the discarded draws were undone."""
     url, out = server
     prompt = "import os\nimport sys\n" * 20
-    n0 = len(load_records(out))
+    before = {r.key for r in load_records(out)}
     a = _complete(url, prompt, capture=True, temperature=0.9, seed=5, n=2)
     b = _complete(url, prompt, capture=True, temperature=0.9, seed=5, n=2)
     assert len(a["choices"][0]["prompt_token_ids"]) > 64
     assert [c["token_ids"] for c in a["choices"]] == [c["token_ids"] for c in b["choices"]]
     assert requests.get(url + "/health", timeout=5).status_code == 200
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and len(load_records(out)) < n0 + 4:
+    while time.monotonic() < deadline and len(load_records(out)) < len(before) + 4:
         time.sleep(0.2)
-    recs = [load_records(out)[i] for i in range(n0, len(load_records(out)))]
+    recs = [r for r in load_records(out) if r.key not in before]
     assert len(recs) == 4, f"{len(recs)} records for 2 requests x n=2"
     want = sorted(list(c["prompt_token_ids"] or a["choices"][0]["prompt_token_ids"]) + list(c["token_ids"])[:-1]
                   for c in a["choices"] + b["choices"])
