@@ -251,30 +251,30 @@ class Watchdog:
         return out
 
     class _Phase:
+        """A bounded phase. Steps are the engine-driving thread's hot path: entering and leaving one is
+        two attribute stores and a clock read (no lock, no wake-up); the watchdog thread looks every
+        ``poll`` seconds."""
+
         def __init__(self, wd: "Watchdog", name: str, limit: float):
             self.wd, self.name, self.limit = wd, name, limit
 
         def __enter__(self) -> None:
             wd = self.wd
-            with wd._cv:
-                if wd.error is not None:
-                    raise wd.error
-                if self.name == "start-up":
-                    wd._before = {p["pid"] for p in descendants()}
-                wd._phase = (self.name, time.monotonic(), self.limit)
-                wd._cv.notify_all()
+            if wd.error is not None:
+                raise wd.error
+            if self.name == "start-up":
+                wd._before = {p["pid"] for p in descendants()}
+            wd._phase = (self.name, time.monotonic(), self.limit)
 
         def __exit__(self, typ, exc, tb) -> bool:
             wd = self.wd
-            with wd._cv:
-                if self.name == "start-up":
-                    if exc is not None:  # a failed or interrupted start: stop what it started
-                        kill(wd.engine_procs())
-                    else:
-                        wd._roots = [p for p in descendants() if p["ppid"] == os.getpid()
-                                     and p["pid"] not in wd._before and not _is_tracker(p)]
-                wd._phase = None
-                wd._cv.notify_all()
+            if self.name == "start-up":
+                if exc is not None:  # a failed or interrupted start: stop what it started
+                    kill(wd.engine_procs())
+                elif wd.error is None:
+                    wd._roots = [p for p in descendants() if p["ppid"] == os.getpid()
+                                 and p["pid"] not in wd._before and not _is_tracker(p)]
+            wd._phase = None
             if wd.error is not None:
                 raise wd.error from exc  # whatever the blocked call raised once its engine was killed
             return False
@@ -291,11 +291,12 @@ class Watchdog:
             with self._cv:
                 if self._closed:
                     return
-                if self._phase is None:
-                    self._cv.wait()
+                phase = self._phase
+                if phase is None:
+                    self._cv.wait(self.poll)
                     next_beat = None
                     continue
-                name, began, limit = self._phase
+            name, began, limit = phase
             now = time.monotonic()
             if now - began > limit:
                 self._fire(name, limit, now - began)
