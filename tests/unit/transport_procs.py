@@ -46,9 +46,46 @@ def expected_hidden(i: int, tokens: int = 16, layers: int = 2, hidden: int = 8) 
     return make_record(i, tokens, layers, hidden)[1]["hidden_states"]
 
 
+def _tree(root: int) -> set[int]:
+    """``root`` and every living process below it."""
+    parent: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                parent[int(d)] = int(Path(f"/proc/{d}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    tree, grew = {root}, True
+    while grew:
+        more = {p for p, pp in parent.items() if pp in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return tree
+
+
+def _in_use_elsewhere(names: set[str]) -> set[str]:
+    """Those of ``names`` that a living process outside this process's tree has mapped or open: another
+    run's segments (a second test suite, an engine beside us), never ours to count as leaked."""
+    if not names:
+        return set()
+    ours, found = _tree(os.getpid()), set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) in ours:
+            continue
+        try:
+            refs = Path(f"/proc/{d}/maps").read_text()
+            refs += " ".join(os.readlink(f"/proc/{d}/fd/{fd}") for fd in os.listdir(f"/proc/{d}/fd"))
+        except OSError:
+            continue
+        found |= {n for n in names if f"/dev/shm/{n}" in refs}
+    return found
+
+
 def shm_entries(prefix: str = "layertap-") -> set[str]:
-    """Our segments in /dev/shm (other engineers' engines create their own; those are not ours)."""
-    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+    """Segments in /dev/shm, minus those another run on this machine is using (another suite or engine
+    creates its own while we run: those are not ours, and must neither fail nor pass a leak check)."""
+    names = {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+    return names - _in_use_elsewhere(names)
 
 
 def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
