@@ -135,13 +135,16 @@ def report(procs: list[dict], diag: Path | None, wait_dumps: float = 2.0) -> str
     """Where ``procs`` stand: state, kernel wait, CPU time, Python stacks (when they answer ``SIGUSR2``)
     and the tail of their engine log."""
     if diag is not None:
+        asked = 0
         for p in procs:
             if (diag / f"stacks-{p['pid']}.txt").exists():
                 try:
                     os.kill(p["pid"], STACK_SIGNAL)
+                    asked += 1
                 except ProcessLookupError:
                     pass
-        time.sleep(wait_dumps if procs else 0)
+        if asked:
+            time.sleep(wait_dumps)  # faulthandler writes from the signalled process
     lines = [f"{len(procs)} engine process(es) of pid {os.getpid()}:"]
     for p in procs:
         now = _stat(p["pid"]) or p
