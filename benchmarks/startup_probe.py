@@ -58,7 +58,7 @@ def main() -> int:
             else:
                 wd = watchdog.Watchdog(args.start_timeout, 600, watchdog.new_diag_dir())
                 os.environ[watchdog.DIAG_ENV] = str(wd.diag)
-                if args.plain_spawn:  # what a Tap sets (compat.engine_env); plain vLLM forks by default
+                if args.plain_spawn:  # what a Tap sets (launch.engine_env); plain vLLM forks by default
                     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
                 try:
                     with wd.starting():

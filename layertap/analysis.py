@@ -40,19 +40,17 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Protocol, Union
 
 import torch
 
 from layertap.engine.connector import PARAMS_KEY
+from layertap.errors import CaptureError, MissingRecords
 from layertap.records import Record, token_digest
 from layertap.targetinfo import TargetInfo
-from layertap.tap import CaptureError, MissingRecords
 
 if TYPE_CHECKING:
     from vllm import RequestOutput, SamplingParams
-
-    from layertap.tap import Tap
 
 log = logging.getLogger("layertap")
 
@@ -63,6 +61,28 @@ _PLAIN_RMSNORM_TYPES = {"qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "qwen
 
 class AnalysisError(CaptureError):
     """A ``generate`` request is invalid for capture, or its hidden states could not be proven."""
+
+
+class TapLike(Protocol):
+    """What ``generate`` uses of a ``layertap.tap.Tap``: its started engine, record source and settings.
+    (``Tap.generate`` calls in here; this module does not import the Tap.)"""
+
+    target: TargetInfo
+    layers: list[int]
+    post_norm_last: bool
+    run: str
+    max_model_len: int
+    max_inflight: int | None
+    record_timeout: float
+    llm: Any
+    source: Any
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    def check_generate_allowed(self) -> None: ...
+
+    def step(self) -> list: ...
 
 
 # ------------------------------------------------------------------------------------------ numerics
@@ -148,7 +168,7 @@ def check_settings(layers: list[int], num_layers: int, post_norm: bool, logits_a
                             f"{num_layers} layers), among the captured layers; got layers={layers}")
 
 
-def _settings(tap: "Tap", post_norm: bool, logits_at: LogitsAt) -> _Settings:
+def _settings(tap: TapLike, post_norm: bool, logits_at: LogitsAt) -> _Settings:
     n = tap.target.num_layers
     check_settings(tap.layers, n, post_norm, logits_at)
     s = _Settings(tap.layers, n, post_norm, logits_at)
@@ -159,7 +179,7 @@ def _settings(tap: "Tap", post_norm: bool, logits_at: LogitsAt) -> _Settings:
     return s
 
 
-def _prompt_len(tap: "Tap", prompt: Any) -> int:
+def _prompt_len(tap: TapLike, prompt: Any) -> int:
     """Prompt length for the up-front max_model_len check (vLLM's own ids are proven later)."""
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         return len(prompt["prompt_token_ids"])
@@ -170,7 +190,7 @@ def _prompt_len(tap: "Tap", prompt: Any) -> int:
     return len(tap.tokenizer(text)["input_ids"])
 
 
-def _request_params(tap: "Tap", sp: "SamplingParams", index: int, n_prompt: int) -> "SamplingParams":
+def _request_params(tap: TapLike, sp: "SamplingParams", index: int, n_prompt: int) -> "SamplingParams":
     """A clone of ``sp`` with the capture marker; refuses what capture cannot serve."""
     from vllm.sampling_params import RequestOutputKind
 
@@ -229,7 +249,7 @@ class _Job:
 
 
 # ------------------------------------------------------------------------------------------ the loop
-def generate(tap: "Tap", prompts: Any, sampling_params: "SamplingParams | Sequence[SamplingParams] | None" = None,
+def generate(tap: TapLike, prompts: Any, sampling_params: "SamplingParams | Sequence[SamplingParams] | None" = None,
              *, logits_at: LogitsAt = None, post_norm_last: bool | None = None, lora_request: Any = None,
              priority: int = 0) -> list["RequestOutput"]:
     """``LLM.generate`` semantics (prompts in, ``RequestOutput`` per prompt in order), plus
@@ -244,7 +264,7 @@ def generate(tap: "Tap", prompts: Any, sampling_params: "SamplingParams | Sequen
     return [job.output for job in jobs]
 
 
-def _jobs(tap: "Tap", prompts: Any, sampling_params: Any) -> list[_Job]:
+def _jobs(tap: TapLike, prompts: Any, sampling_params: Any) -> list[_Job]:
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     prompts = list(prompts)
@@ -257,7 +277,7 @@ def _jobs(tap: "Tap", prompts: Any, sampling_params: Any) -> list[_Job]:
     return [_Job(i, p, _request_params(tap, sp, i, _prompt_len(tap, p))) for i, (p, sp) in enumerate(zip(prompts, sps))]
 
 
-def _drive(tap: "Tap", jobs: list[_Job], s: _Settings, lora_request: Any, priority: int) -> dict[str, _Sample]:
+def _drive(tap: TapLike, jobs: list[_Job], s: _Settings, lora_request: Any, priority: int) -> dict[str, _Sample]:
     """Run every job to completion; returns converted samples by record key (each proven later)."""
     by_rid: dict[str, _Job] = {}  # external request id -> job, while the request runs
     try:
@@ -267,7 +287,7 @@ def _drive(tap: "Tap", jobs: list[_Job], s: _Settings, lora_request: Any, priori
             tap.llm.llm_engine.abort_request(list(by_rid))
 
 
-def _loop(tap: "Tap", jobs: list[_Job], s: _Settings, lora_request: Any, priority: int,
+def _loop(tap: TapLike, jobs: list[_Job], s: _Settings, lora_request: Any, priority: int,
           by_rid: dict[str, _Job]) -> dict[str, _Sample]:
     engine = tap.llm.llm_engine
     queue = list(reversed(jobs))
@@ -298,7 +318,7 @@ def _loop(tap: "Tap", jobs: list[_Job], s: _Settings, lora_request: Any, priorit
     return samples
 
 
-def _can_admit(tap: "Tap", samples_in_flight: int) -> bool:
+def _can_admit(tap: TapLike, samples_in_flight: int) -> bool:
     """At most ``tap.max_inflight`` samples running, and no more than the transport can hold (records are
     consumed as they arrive, so the worker never blocks on a full shm pool because of this call)."""
     if tap.max_inflight is not None and samples_in_flight > tap.max_inflight:

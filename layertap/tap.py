@@ -28,9 +28,12 @@ from typing import Any
 
 import torch
 
+from layertap import analysis
 from layertap.data import InputItem, load_inputs
-from layertap.engine import compat, watchdog
+from layertap.engine import compat, launch, watchdog
 from layertap.engine.connector import PARAMS_KEY
+from layertap.errors import CaptureError, LayerZeroMismatch, MissingRecords
+from layertap.errors import RequestTooLong  # noqa: F401  (re-exported, as are the three above)
 from layertap.records import LAYER_SEMANTICS, Record, token_digest
 from layertap.transport.base import TransportFull, get_transport
 from layertap.targetinfo import TargetInfo
@@ -51,22 +54,6 @@ def owner_info() -> dict[str, int]:
     from layertap.transport.shm_pool import proc_start_time
 
     return {"pid": os.getpid(), "start": proc_start_time(os.getpid()) or 0}
-
-
-class CaptureError(RuntimeError):
-    """A capture request failed; the message names the input index / request."""
-
-
-class RequestTooLong(CaptureError):
-    """prompt + max_tokens + the capture's dummy draft token would pass max_model_len."""
-
-
-class MissingRecords(CaptureError):
-    """Requests finished but their records never arrived."""
-
-
-class LayerZeroMismatch(CaptureError):
-    """Layer id 0 does not equal the embedding of the tokens (a known vLLM bug in some modes)."""
 
 
 @dataclass
@@ -108,11 +95,11 @@ class Tap:
         or "mooncake". ``zero_copy``: stream records that view the transport's memory (call
         ``rec.release()`` when done); by default streamed records are private copies. ``capture_path``:
         "hook" (default; the model runner's forward writes the rows, no speculative decoding) or
-        "extract" (vLLM's ``extract_hidden_states`` speculative method); see ``engine/compat.py``.
+        "extract" (vLLM's ``extract_hidden_states`` speculative method); see ``engine/launch.py``.
         ``start_timeout`` / ``step_timeout``: seconds the engine may take to start / to return from one step
         before ``EngineStartTimeout`` / ``EngineStepTimeout`` (the message says where its processes stand;
         they are killed). Whatever fails in here leaves nothing behind (no shared memory, no process)."""
-        compat.check_capture_path(capture_path)
+        launch.check_capture_path(capture_path)
         self.capture_path = capture_path
         self.version = compat.check_version()
         self.target = TargetInfo.load(model)
@@ -194,7 +181,7 @@ class Tap:
         from vllm import LLM
 
         kw = {**compat.engine_defaults(self.version, on_cuda, kw, self.capture_path), **kw}
-        capture_kw = compat.engine_capture_kwargs(self.capture_path, self.layers, kw)
+        capture_kw = launch.engine_capture_kwargs(self.capture_path, self.layers, kw)
         for k in ("speculative_config", "worker_cls"):
             kw.pop(k, None)  # only None or "auto" get here (engine_capture_kwargs refuses the rest)
         if not on_cuda and "kv_cache_memory_bytes" not in kw and "gpu_memory_utilization" not in kw:
@@ -205,16 +192,16 @@ class Tap:
         # Connector switches (e.g. {"direct": False}: stage rows through pinned buffers instead of writing
         # them into transport memory in place); unknown keys are refused so a typo is not silently ignored.
         opts = dict(kw.pop("connector_options", None) or {})
-        known = {"direct", "writer_queue", "copy_on_writer", "blocking_sync"}
+        known = {"direct", "writer_queue", "copy_on_writer", "blocking_sync", "device_commit"}
         if set(opts) - known:
             raise ValueError(f"unknown connector_options {sorted(set(opts) - known)}; known: {', '.join(sorted(known))}")
         extra.update(opts)
-        env = {**compat.engine_env(on_cuda, kw), watchdog.DIAG_ENV: str(self._wd.diag)}
-        with compat.engine_env_set(env), self._wd.starting():
+        env = {**launch.engine_env(on_cuda, kw), watchdog.DIAG_ENV: str(self._wd.diag)}
+        with launch.engine_env_set(env), self._wd.starting():
             return LLM(
                 model=str(self.target.path),
                 **capture_kw,
-                kv_transfer_config=compat.kv_transfer_config(extra),
+                kv_transfer_config=launch.kv_transfer_config(extra),
                 **kw,
             )
 
@@ -428,9 +415,7 @@ class Tap:
     # ------------------------------------------------------------------ analysis
     def generate(self, prompts, sampling_params=None, **kwargs):
         """vLLM's ``generate`` plus per-sample hidden states; see ``layertap.analysis``."""
-        from layertap.analysis import generate
-
-        return generate(self, prompts, sampling_params, **kwargs)
+        return analysis.generate(self, prompts, sampling_params, **kwargs)
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

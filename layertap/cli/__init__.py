@@ -51,19 +51,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from layertap.data import InputError
+    from layertap.engine.compat import KnownVLLMBug, UnsupportedVLLM
+    from layertap.engine.launch import EngineFlagError
+    from layertap.errors import CaptureError
     from layertap.records import RecordError
     from layertap.targetinfo import TargetError
     from layertap.transport.base import TransportError
 
-    errs: list[type[BaseException]] = [InputError, TargetError, TransportError, RecordError, FileNotFoundError]
-    try:
-        from layertap.engine.compat import KnownVLLMBug, UnsupportedVLLM
-        from layertap.tap import CaptureError
-
-        errs += [KnownVLLMBug, UnsupportedVLLM, CaptureError]
-    except ImportError:
-        pass
-    return tuple(errs)
+    return (InputError, TargetError, TransportError, RecordError, FileNotFoundError, KnownVLLMBug, UnsupportedVLLM,
+            CaptureError, EngineFlagError)
 
 
 if __name__ == "__main__":

@@ -69,8 +69,8 @@ def cmd_capture(args) -> int:
     from rich.console import Console
     from tqdm import tqdm
 
-    from layertap.cli.engine_flags import engine_kwargs
     from layertap.data import load_inputs
+    from layertap.engine.launch import engine_kwargs
     from layertap.tap import Tap
     from layertap.targetinfo import TargetInfo
     from layertap.transport.file import FileDataset, FileSink

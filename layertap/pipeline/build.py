@@ -3,7 +3,6 @@ settings, the Tap factory and a fresh trainer. Pure set-up; the loop lives in ``
 
 from __future__ import annotations
 
-import argparse
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,16 +144,14 @@ def item_token_counts(items: list[InputItem], vocab: int) -> torch.Tensor:
 
 
 def new_trainer(cfg: PipelineConfig, plan: Plan, out: Path) -> Any:
-    from layertap.cli.train_cmds import _build_config
     from layertap.drafters.eagle3 import draft_vocab_from_counts
+    from layertap.pipeline.drafter_config import drafter_config
     from layertap.train.config import TrainConfig
     from layertap.train.trainer import Trainer
 
     t = cfg.train
-    ns = argparse.Namespace(kind=cfg.drafter, draft_vocab=t.draft_vocab, aux_layers=None, last_layer=None,
-                            ttt_steps=t.ttt_steps, target_layer_ids=None, dflash_layers=t.dflash_layers,
-                            block_size=t.block_size, anchors=64)
-    dcfg = _build_config(ns, plan.target, plan.layers)
+    dcfg = drafter_config(cfg.drafter, plan.target, plan.layers, draft_vocab=t.draft_vocab, ttt_steps=t.ttt_steps,
+                          dflash_layers=t.dflash_layers, block_size=t.block_size)
     tcfg = TrainConfig(out_dir=str(out), lr=t.lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps,
                        batch_size=t.batch_size, max_len=t.max_len, seed=t.seed, log_every=t.log_every,
                        save_every=0, tensorboard=False, device=t.device,

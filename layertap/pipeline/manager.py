@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from layertap.data import InputItem
+from layertap.errors import CaptureError
 from layertap.records import Record
 
 log = logging.getLogger("layertap")
@@ -140,8 +141,6 @@ class InferenceManager:
     def _one_pass(self, todo: list[InputItem], received: set[int]) -> BaseException | None:
         """Run ``todo`` through a Tap; returns the error that ended the pass early (the Tap is then
         closed, so the retry gets a fresh engine), or None."""
-        from layertap.tap import CaptureError
-
         with self._lock:
             if self._stopping():
                 return None

@@ -94,19 +94,14 @@ class TrainerWorker:
         import torch
 
         from layertap.pipeline.build import make_plan
-        from layertap.pipeline.run import RUN_CONFIG, RunExists, _trainer, _write_json
-        from layertap.train.trainer import CKPT
+        from layertap.pipeline.run import open_trainer, start_run_dir
         from layertap.transport.base import get_transport
 
         torch.set_num_threads(1)
         self.cfg = from_dict(cfg)
-        self.out = Path(self.cfg.out)
-        if not resume and (self.out / CKPT).exists():
-            raise RunExists(f"{self.out} already holds a run ({CKPT}); pass resume to continue it or choose a new out")
-        self.out.mkdir(parents=True, exist_ok=True)
-        _write_json(self.out / RUN_CONFIG, self.cfg.to_dict())
+        self.out = start_run_dir(self.cfg, resume)
         self.plan = make_plan(self.cfg)
-        self.tr = _trainer(self.cfg, self.plan, self.out, resume)
+        self.tr = open_trainer(self.cfg, self.plan, self.out, resume)
         self.source = get_transport("mooncake").make_source(mooncake)
         self.loop: Any = None
         self.stats = {"records": 0, "tokens": 0, "idle_s": 0.0, "startup_wait_s": 0.0, "wall_s": 0.0}

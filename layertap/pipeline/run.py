@@ -104,7 +104,21 @@ def load_run_config(out: Path) -> PipelineConfig:
     return from_dict(json.loads(p.read_text()))
 
 
-def _trainer(cfg: PipelineConfig, plan: Plan, out: Path, resume: bool) -> Any:
+def start_run_dir(cfg: PipelineConfig, resume: bool) -> Path:
+    """Create ``cfg.out`` and save the run config there (``layertap train`` and the Ray runner alike);
+    ``RunExists`` where it already holds a run and ``resume`` is off."""
+    from layertap.train.trainer import CKPT
+
+    out = Path(cfg.out)
+    if not resume and (out / CKPT).exists():
+        raise RunExists(f"{out} already holds a run ({CKPT}); pass --resume to continue it or choose a new --out")
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / RUN_CONFIG, cfg.to_dict())
+    return out
+
+
+def open_trainer(cfg: PipelineConfig, plan: Plan, out: Path, resume: bool) -> Any:
+    """The run's trainer: the checkpoint in ``out`` on ``resume`` (when there is one), else a fresh one."""
     from layertap.train.trainer import CKPT, Trainer
 
     ckpt = out / CKPT
@@ -180,18 +194,13 @@ def run(cfg: PipelineConfig, *, resume: bool = False) -> dict[str, Any]:
     import torch
 
     from layertap.pipeline.report import write_report
-    from layertap.train.trainer import CKPT
 
-    out = Path(cfg.out)
-    if not resume and (out / CKPT).exists():
-        raise RunExists(f"{out} already holds a run ({CKPT}); pass --resume to continue it or choose a new --out")
-    out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / RUN_CONFIG, cfg.to_dict())
+    out = start_run_dir(cfg, resume)
     if cfg.train.threads or cfg.train.device == "cpu":
         torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 2) // 2))
     wall0 = time.monotonic()
     plan = make_plan(cfg)
-    tr = _trainer(cfg, plan, out, resume)
+    tr = open_trainer(cfg, plan, out, resume)
     loop = Loop(cfg, tr, out, None)
     evals = EvalRunner(out, plan.target, plan.eval_prompts, max_tokens=cfg.eval.max_tokens,
                        ngram_k=cfg.eval.ngram_k, kv_cache_mb=cfg.eval.kv_cache_mb)

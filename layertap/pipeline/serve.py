@@ -35,6 +35,9 @@ def add_serve_parser(sub: Any) -> None:
                    "kv_transfer_params.layertap)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    from layertap.transport.base import get_transport
+
+    get_transport("shm").add_cli_args(p)  # --shm-slot-mb, --shm-slots, ...: the pool a consumer attaches to
     p.add_argument("--capture-path", choices=("hook", "extract"), default="hook",
                    help="hook (default): the model runner writes the rows, no speculative decoding; extract: "
                         "vLLM's extract_hidden_states method")
@@ -52,6 +55,8 @@ def transport_config(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     from layertap.transport.base import get_transport
 
     cfg: dict[str, Any] = {}
+    if args.transport == "shm" and hasattr(args, "shm_slots"):
+        cfg = get_transport("shm").config_from_args(args)
     if args.transport == "file":
         cfg["path"] = str(Path(args.out))
     elif args.transport == "mooncake":
@@ -75,18 +80,18 @@ def run_meta(model: str, layers: list[int]) -> tuple[dict[str, Any], list[int]]:
 
 
 def server_argv(args: argparse.Namespace, tcfg: dict[str, Any], meta: dict[str, Any], ids: list[int]) -> list[str]:
-    from layertap.engine import compat
+    from layertap.engine import launch
     from layertap.tap import owner_info
 
     path = getattr(args, "capture_path", None) or "hook"
     extra = {"transport": tcfg, "run_meta": meta, "capture_all": bool(args.capture_all), "owner": owner_info(),
              "default_mode": "generate", "capture_path": path, "layer_ids": list(ids)}
-    capture = compat.engine_capture_kwargs(path, ids, {})
+    capture = launch.engine_capture_kwargs(path, ids, {})
     flags = [*(["--speculative-config", json.dumps(capture["speculative_config"])] if "speculative_config" in capture
                else []), *(["--worker-cls", capture["worker_cls"]] if "worker_cls" in capture else [])]
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", meta["model"],
             "--host", args.host, "--port", str(args.port), *flags,
-            "--kv-transfer-config", json.dumps(compat.kv_transfer_config(extra)),
+            "--kv-transfer-config", json.dumps(launch.kv_transfer_config(extra)),
             *list(getattr(args, "engine_argv", []) or [])]
 
 
@@ -109,11 +114,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print("transport config for a consumer: " + json.dumps(tcfg), flush=True)
     import torch
 
-    from layertap.cli.engine_flags import engine_kwargs
-    from layertap.engine import compat
+    from layertap.engine import launch
 
-    engine = engine_kwargs(list(getattr(args, "engine_argv", None) or []))  # vLLM's own parser: -tp, -pp, ...
-    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", **compat.engine_env(torch.cuda.is_available(), engine)}
+    engine = launch.engine_kwargs(list(getattr(args, "engine_argv", None) or []))  # vLLM's own parser: -tp, -pp, ...
+    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", **launch.engine_env(torch.cuda.is_available(), engine)}
     proc = subprocess.Popen(argv, env=env)
     try:
         return proc.wait()

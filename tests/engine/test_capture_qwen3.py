@@ -174,15 +174,15 @@ def test_extract_path_records_match_hf_too(model):
 
 
 def test_capture_path_settings_are_checked():
-    from layertap.engine import compat
+    from layertap.engine import launch
 
     with pytest.raises(ValueError, match="unknown capture path"):
-        compat.engine_capture_kwargs("hooks", [1], {})
+        launch.engine_capture_kwargs("hooks", [1], {})
     with pytest.raises(ValueError, match="worker_cls is set by layertap"):
-        compat.engine_capture_kwargs("hook", [1], {"worker_cls": "my.Worker"})
+        launch.engine_capture_kwargs("hook", [1], {"worker_cls": "my.Worker"})
     with pytest.raises(ValueError, match="speculative_config is set by layertap"):
-        compat.engine_capture_kwargs("extract", [1], {"speculative_config": {"method": "ngram"}})
-    assert compat.engine_capture_kwargs("hook", [1], {"worker_cls": "auto"}) == {"worker_cls": compat.HOOK_WORKER}
+        launch.engine_capture_kwargs("extract", [1], {"speculative_config": {"method": "ngram"}})
+    assert launch.engine_capture_kwargs("hook", [1], {"worker_cls": "auto"}) == {"worker_cls": launch.HOOK_WORKER}
 
 
 def test_a_model_vllm_cannot_tap_is_refused_by_name_before_the_engine_starts(tmp_path):

@@ -33,9 +33,9 @@ ENGINE = {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024, "enforce_eag
 
 
 def _shape(target: Path):
-    from layertap.cli.train_cmds import _shape as shape_of
+    from layertap.pipeline.drafter_config import drafter_shape
 
-    return shape_of(str(target))[0]
+    return drafter_shape(str(target))
 
 
 def _train(kind: str, cfg, target: Path, recs, out: Path, draft_ids=None) -> Path:

@@ -4,7 +4,7 @@ tests/engine: test_analysis, test_capture_qwen3, test_serve)."""
 import pytest
 import torch
 
-from layertap.engine.compat import RewindableCPUGenerator
+from layertap.engine.seed_rewind import RewindableCPUGenerator
 
 
 def _draw(g: torch.Generator) -> torch.Tensor:
