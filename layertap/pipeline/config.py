@@ -213,6 +213,11 @@ def _parse_value(raw: str, typ: Any, key: str) -> Any:
         val = raw  # a path or name that YAML read as a number
     if float in base and isinstance(val, int) and not isinstance(val, bool):
         val = float(val)
+    if float in base and isinstance(val, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+        try:
+            val = float(val)
+        except ValueError:
+            pass  # left to the type check, which names the key
     return val
 
 

@@ -171,3 +171,12 @@ def test_wrong_types_name_the_key():
         from_dict({"train": {"max_steps": "many"}})
     with pytest.raises(ValueError, match=r"capture\.regenerate"):
         from_dict({"capture": {"regenerate": 1}})
+
+
+def test_float_override_in_exponent_form_without_a_dot():
+    """YAML 1.1 reads ``1e-3`` as a string; ``layertap train --help`` shows exactly that example."""
+    cfg = from_dict(apply_overrides({}, ["train.lr=1e-3"]))
+    assert cfg.train.lr == 0.001 and isinstance(cfg.train.lr, float)
+    assert from_dict(apply_overrides({}, ["train.lr=2E-2"])).train.lr == 0.02
+    with pytest.raises(ValueError, match="train.lr"):
+        from_dict(apply_overrides({}, ["train.lr=fast"]))
