@@ -9,20 +9,20 @@ the driving process's view of every variant (``Timeline``: occupancy, request la
 output), which tells an engine-side gap from a driver-side one.
 
 Variants (``--variants``; the ratio column is ``capture`` over ``plain``, the others explain the gap):
-    plain           vLLM as users run it (its default scheduling)
-    plain-sync      vLLM with async_scheduling=False
-    floor           the hook capture engine + the layertap connector, reading no rows (the cost of the
-                    model writing its rows into the capture layer)
-    capture         layertap capture (default: hook path, vLLM's default scheduling, records written in
-                    place in the shm pool)
-    capture-staged  capture, rows staged through a pinned buffer, then copied into the pool
-    capture-writer  capture, transport reservation and host copies queued by the writer thread (off the
-                    engine step, but contending for its GIL)
-    capture-spin    capture whose writer thread spin-waits for the host copies (CUDA's default event)
-    capture-sync    capture with async_scheduling=False
-    floor-extract   as floor, through vLLM's extract_hidden_states (capture_path="extract")
-    capture-extract capture through extract_hidden_states (synchronous scheduling on vLLM 0.25/CUDA)
-    capture-extract-async  the same with async_scheduling=True (allowed for prompt mode)
+    plain              vLLM as users run it (its default scheduling)
+    floor              the hook capture engine + the layertap connector, reading no rows (the cost of the
+                       model writing its rows into the capture layer)
+    capture            layertap capture (default: hook path, vLLM's default scheduling, records written in
+                       place in the shm pool and committed on the device: a commit word copied after each
+                       payload, no engine thread waits for the copies)
+    capture-hostcommit capture whose writer thread waits for each step's copies and commits the records on
+                       the CPU (the record path before the device commit)
+    floor-extract      as floor, through vLLM's extract_hidden_states (capture_path="extract")
+    capture-extract    capture through extract_hidden_states (synchronous scheduling on vLLM 0.25/CUDA)
+
+``--profile-dir DIR``: after the rounds, each engine is profiled with torch's profiler (CPU + CUDA
+activities, vLLM's ``profiler_config``) over a few requests at each ``--profile-inflight`` target; the
+traces and their summaries (``trace_summary.py``) land in DIR, and a side-by-side table is printed.
 
     python benchmarks/capture_overhead.py                       # CPU: tiny model, small workload
     python benchmarks/capture_overhead.py --hidden 2048 --num-layers 16 --prompts 256 --prompt-len 1024 \
@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # trace_summary
 
 
 def build_model(args) -> Path:
@@ -179,6 +181,9 @@ class Plain:
     def engine(self):
         return self.llm.llm_engine
 
+    def llm_handle(self):
+        return self.llm
+
     def close(self) -> None:
         shutdown(self.llm)
 
@@ -186,20 +191,20 @@ class Plain:
 class Floor(Plain):
     """The capture path's engine + the connector, which reports every save done without reading a row."""
 
-    def __init__(self, model, data, args, path: str = "hook"):
+    def __init__(self, model, data, args, path: str = "hook", **extra):
         from vllm import LLM, SamplingParams
 
-        from layertap.engine import compat
+        from layertap.engine import compat, launch
         from layertap.engine.connector import PARAMS_KEY
 
         self.data = data
         v = compat.check_version()
         kw = {**compat.engine_defaults(v, torch.cuda.is_available(), {}, path), **engine_kwargs(args)}
-        extra = {"transport": {"backend": "shm"}, "run_meta": {}, "skip_reads": True, "capture_path": path,
-                 "layer_ids": list(args.layers)}
-        with compat.engine_env_set(compat.engine_env(torch.cuda.is_available(), kw)):
-            self.llm = LLM(model=str(model), **compat.engine_capture_kwargs(path, args.layers, kw),
-                           kv_transfer_config=compat.kv_transfer_config(extra), **kw)
+        conn = {"transport": {"backend": "shm"}, "run_meta": {}, "skip_reads": True, "capture_path": path,
+                "layer_ids": list(args.layers)}
+        with launch.engine_env_set(launch.engine_env(torch.cuda.is_available(), kw)):
+            self.llm = LLM(model=str(model), **launch.engine_capture_kwargs(path, args.layers, kw),
+                           kv_transfer_config=launch.kv_transfer_config(conn), **kw, **extra)
 
         def params_for(i):
             sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
@@ -254,23 +259,59 @@ class Capture:
     def engine(self):
         return self.tap.llm.llm_engine
 
+    def llm_handle(self):
+        return self.tap.llm
+
     def close(self) -> None:
         self.tap.close()
 
 
+def profiler_kwargs(args, variant: str) -> dict:
+    """Engine kwargs that let ``--profile-dir`` profile this engine later (nothing runs until asked)."""
+    if not args.profile_dir:
+        return {}
+    from vllm.config import ProfilerConfig
+
+    d = Path(args.profile_dir).resolve() / variant
+    d.mkdir(parents=True, exist_ok=True)
+    return {"profiler_config": ProfilerConfig(profiler="torch", torch_profiler_dir=str(d), torch_profiler_with_stack=False,
+                                              torch_profiler_use_gzip=True, torch_profiler_record_shapes=False)}
+
+
 VARIANTS = {
-    "plain": lambda m, d, a: Plain(m, d, a),
-    "plain-sync": lambda m, d, a: Plain(m, d, a, async_scheduling=False),
-    "floor": lambda m, d, a: Floor(m, d, a),
-    "capture": lambda m, d, a: Capture(m, d, a),
-    "capture-staged": lambda m, d, a: Capture(m, d, a, connector_options={"direct": False}),
-    "capture-writer": lambda m, d, a: Capture(m, d, a, connector_options={"copy_on_writer": True}),
-    "capture-spin": lambda m, d, a: Capture(m, d, a, connector_options={"blocking_sync": False}),
-    "capture-sync": lambda m, d, a: Capture(m, d, a, async_scheduling=False),
-    "floor-extract": lambda m, d, a: Floor(m, d, a, path="extract"),
-    "capture-extract": lambda m, d, a: Capture(m, d, a, capture_path="extract"),
-    "capture-extract-async": lambda m, d, a: Capture(m, d, a, capture_path="extract", async_scheduling=True),
+    "plain": lambda m, d, a: Plain(m, d, a, **profiler_kwargs(a, "plain")),
+    "floor": lambda m, d, a: Floor(m, d, a, **profiler_kwargs(a, "floor")),
+    "capture": lambda m, d, a: Capture(m, d, a, **profiler_kwargs(a, "capture")),
+    "capture-hostcommit": lambda m, d, a: Capture(m, d, a, connector_options={"device_commit": False},
+                                                  **profiler_kwargs(a, "capture-hostcommit")),
+    "floor-extract": lambda m, d, a: Floor(m, d, a, path="extract", **profiler_kwargs(a, "floor-extract")),
+    "capture-extract": lambda m, d, a: Capture(m, d, a, capture_path="extract", **profiler_kwargs(a, "capture-extract")),
 }
+
+
+def profile_engines(runners: dict, data, args) -> dict[str, dict]:
+    """Profile every engine over a few requests per in-flight target; returns summaries by "variant@k"."""
+    import trace_summary
+
+    out: dict[str, dict] = {}
+    for k in args.profile_inflight:
+        n = max(16, 4 * k)
+        for v, r in runners.items():
+            llm = r.llm_handle()
+            r.rate(k, data[:n])  # the same shapes once more, unprofiled
+            llm.start_profile(profile_prefix=f"{v}_inflight{k}")
+            r.rate(k, data[:n])
+            llm.stop_profile()
+            d = Path(args.profile_dir).resolve() / v
+            traces = sorted((p for p in d.rglob("*.json*") if p.name.startswith(f"{v}_inflight{k}")),
+                            key=lambda p: p.stat().st_mtime)
+            if not traces:
+                print(f"  profile {v}@{k}: no trace in {d} ({sorted(p.name for p in d.rglob('*'))[:8]})", flush=True)
+                continue
+            out[f"{v}@{k}"] = summary = trace_summary.summarize(traces[-1], requests=n)
+            (d / f"{v}_inflight{k}.summary.json").write_text(json.dumps(summary, indent=1))
+            print(f"  profiled {v} at {k} in flight: {traces[-1].name}", flush=True)
+    return out
 
 
 def measure(variants: list[str], model, data, args) -> dict[str, dict]:
@@ -301,7 +342,8 @@ def measure(variants: list[str], model, data, args) -> dict[str, dict]:
                     print(f"  round {rnd + 1}/{args.repeats} in-flight {b:>3} {v:>22}: {out[v][b][-1]:>10.0f} tok/s"
                           + (f"  (occupancy {tl['occupancy']:.2f}, latency {tl['latency_ms']:.1f} ms, "
                              f"{tl['per_output']:.0f} per output)" if tl else ""), flush=True)
-        return {"rates": out, "timeline": seen}
+        profiles = profile_engines(runners, data, args) if args.profile_dir else {}
+        return {"rates": out, "timeline": seen, "profiles": profiles}
     finally:
         for r in runners.values():
             r.close()
@@ -371,6 +413,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--separate", action="store_true",
                     help="one child process per variant, measured one after the other (default: paired, all "
                          "engines alive in one child process, measured in interleaved rounds)")
+    ap.add_argument("--profile-dir", default=None,
+                    help="after the rounds, profile each engine (torch profiler, CPU + CUDA) into this directory")
+    ap.add_argument("--profile-inflight", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4],
+                    help="in-flight targets to profile at (default 1,4)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: "V1,V2:RESULT.json"
     args = ap.parse_args(argv)
     n = args.num_layers
@@ -399,6 +445,7 @@ def main() -> None:
     groups = [[v] for v in args.variants] if args.separate else [list(args.variants)]
     res: dict[str, dict[int, list[float]]] = {}
     timeline: dict[str, dict[int, list[dict]]] = {}
+    profiles: dict[str, dict] = {}
     for group in groups:
         print(f"--- {', '.join(group)}", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
@@ -411,6 +458,7 @@ def main() -> None:
                 res[v] = {int(b): rates for b, rates in by_b.items()}
             for v, by_b in got["timeline"].items():
                 timeline[v] = {int(b): tls for b, tls in by_b.items()}
+            profiles.update(got.get("profiles", {}))
     hf = bench_hf(model, data, args) if not args.no_hf else float("nan")
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"\ncapture overhead on {dev}: {args.prompts} x {args.prompt_len}-token prefill, hidden {args.hidden}, "
@@ -441,9 +489,16 @@ def main() -> None:
         print(line)
     print(f"HF transformers second pass (batch {args.hf_batch}, layers copied to host): {hf:.0f} tok/s")
     print_timeline(timeline, args)
+    if profiles:
+        import trace_summary
+
+        for k in args.profile_inflight:
+            got = {name: p for name, p in profiles.items() if name.endswith(f"@{k}")}
+            print(f"\ntorch profiler, {k} in flight (per request; the worker process):")
+            print(trace_summary.compare(got))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": dev, "args": vars(args), "rows": rows, "hf": hf,
-                                               "timeline": timeline}, indent=1))
+                                               "timeline": timeline, "profiles": profiles}, indent=1))
 
 
 def print_timeline(timeline: dict[str, dict[int, list[dict]]], args) -> None:

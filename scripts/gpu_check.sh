@@ -5,12 +5,15 @@
 #                                      # start-up watchdog (START_TIMEOUT, 240 s), times + hang reports
 #   bash scripts/gpu_check.sh tests   # CUDA capture correctness (eager + compiled, bf16 vs HF), stream
 #                                      # safety, layer-0 bug detection, tensor parallel 2 if 2 GPUs
-#   bash scripts/gpu_check.sh bench   # capture overhead (hidden 2048, 16 layers, batch 1..64; plain, capture,
-#                                      # capture-spin (writer spin-waits on copies) and
-#                                      # floor engines side by side, BENCH_REPEATS (3) interleaved rounds;
-#                                      # BENCH_VARIANTS=... picks others (see the benchmark docstring))
-#                                      # + trainer MFU (SKIP_TRAIN_BENCH=1: skip)
+#   bash scripts/gpu_check.sh bench   # capture overhead (hidden 2048, 16 layers, 1..256 in flight; plain,
+#                                      # capture (device commit), capture-hostcommit and floor engines side by
+#                                      # side, BENCH_REPEATS (3) interleaved rounds; BENCH_VARIANTS=... picks
+#                                      # others (see the benchmark docstring)); then a torch-profiler trace of
+#                                      # every engine at 1 and 4 in flight (PROFILE_INFLIGHT), summarized
+#                                      # side by side + trainer MFU (SKIP_TRAIN_BENCH=1: skip)
 #   bash scripts/gpu_check.sh bench-tp2   # the overhead ratio with tensor parallel 2 (two GPUs)
+#   bash scripts/gpu_check.sh serve   # layertap serve --capture-all vs vllm serve, both under `vllm bench serve`
+#                                      # (512 in / 256 out, concurrency 1,16,64; needs .gpubundle/serve wheels)
 #   bash scripts/gpu_check.sh profile     # py-spy over PROFILE_VARIANTS (plain capture) at PROFILE_INFLIGHT (1):
 #                                          # where a request's time goes, per process and thread (needs
 #                                          # py-spy: on PATH, or its wheel carried as .gpubundle/py_spy-*.whl)
@@ -30,9 +33,11 @@ phase=${1:-all}
 } 2>&1 | tee "$OUT/env.txt"
 # The shm pools need room in /dev/shm; containers often mount a small one.
 shm_gb=$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)
-[ "${shm_gb:-0}" -lt 8 ] && mount -o remount,size=32G /dev/shm 2>/dev/null; df -h /dev/shm | tail -1
-bench_transport="--transport shm --slot-mb 17 --shm-slots 160"
-[ "$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)" -lt 4 ] && bench_transport="--transport file --out /tmp/lt-bench"
+[ "${shm_gb:-0}" -lt 40 ] && mount -o remount,size=48G /dev/shm 2>/dev/null; df -h /dev/shm | tail -1
+# One 17 MiB slot per record, 2 x the largest in-flight target + 16 slots (the Tap admits a request only while
+# the pool has room for it, so a smaller pool would cap capture's in-flight count below plain's).
+bench_transport="--transport shm --slot-mb 17"
+[ "$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)" -lt 12 ] && bench_transport="--transport file --out /tmp/lt-bench"
 rc=0
 if [ "$phase" = startup ]; then  # first thing on a bare machine: engine starts under the watchdog
   if ! command -v py-spy >/dev/null; then  # the watchdog's report then carries native stacks of plain engines
@@ -48,10 +53,18 @@ if [ "$phase" = tests ] || [ "$phase" = all ]; then
 fi
 bench_args="--hidden 2048 --num-layers 16 --head-dim 128 --vocab 2048 --prompts 256 --prompt-len 1024 --dtype bfloat16 $bench_transport"
 if [ "$phase" = bench ] || [ "$phase" = all ]; then
-  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} python3 benchmarks/capture_overhead.py $bench_args --batch-sizes 1,4,16,64 \
-    --variants ${BENCH_VARIANTS:-plain,capture,capture-spin,floor} --repeats ${BENCH_REPEATS:-3} \
-    --json "$OUT/capture_overhead.json" 2>&1 | tee "$OUT/capture_overhead.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING" | tail -24
-  rc=$(( rc | PIPESTATUS[0] ))
+  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} python3 benchmarks/capture_overhead.py $bench_args \
+    --batch-sizes ${BENCH_BATCH_SIZES:-1,4,16,64,256} \
+    --variants ${BENCH_VARIANTS:-plain,capture,capture-hostcommit,floor} --repeats ${BENCH_REPEATS:-3} \
+    $( [ -z "${SKIP_PROFILE:-}" ] && echo "--profile-dir /tmp/lt-profile --profile-inflight ${PROFILE_INFLIGHT:-1,4}" ) \
+    --json "$OUT/capture_overhead.json" > "$OUT/capture_overhead.log" 2>&1
+  rc=$(( rc | $? ))
+  # the results tables, without vLLM's logs and the profiler's own op tables
+  sed -n '/^capture overhead on/,$p' "$OUT/capture_overhead.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING" | head -80
+  mkdir -p "$OUT/profile" && cp /tmp/lt-profile/*/*.summary.json "$OUT/profile/" 2>/dev/null
+  for t in /tmp/lt-profile/{plain,capture}/*inflight1*.json.gz; do  # two traces to open in Perfetto, if small
+    [ -f "$t" ] && [ "$(stat -c %s "$t")" -lt 15000000 ] && cp "$t" "$OUT/profile/"
+  done
   if [ -f benchmarks/train_throughput.py ] && [ -z "${SKIP_TRAIN_BENCH:-}" ]; then
     python3 benchmarks/train_throughput.py 2>&1 | tee "$OUT/train_throughput.log" | tail -8
     rc=$(( rc | PIPESTATUS[0] ))
@@ -62,6 +75,20 @@ if [ "$phase" = bench-tp2 ] || { [ "$phase" = all ] && [ "$(python3 -c 'import t
     --variants ${BENCH_TP2_VARIANTS:-plain,capture} --repeats ${BENCH_REPEATS:-3} \
     --json "$OUT/capture_overhead_tp2.json" 2>&1 | tee "$OUT/capture_overhead_tp2.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING" | tail -16
   rc=$(( rc | PIPESTATUS[0] ))
+fi
+if [ "$phase" = serve ]; then  # layertap serve --capture-all vs vllm serve under `vllm bench serve`
+  # vLLM's API server and load generator need packages the lean bundle leaves out: carry their wheels in
+  # .gpubundle/serve (see RESULTS.md for the list) and install what the imports miss.
+  python3 scripts/gpu_extra_deps.py .gpubundle/serve vllm.entrypoints.openai.api_server vllm.benchmarks.serve 2>&1 \
+    | tee "$OUT/serve_deps.log" | tail -4
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" = 0 ]; then
+    python3 benchmarks/serve_overhead.py --hidden 2048 --num-layers 16 --head-dim 128 --vocab 2048 --dtype bfloat16 \
+      --input-len 512 --output-len 256 --concurrency ${SERVE_CONCURRENCY:-1,16,64} --rounds ${SERVE_ROUNDS:-2} \
+      --json "$OUT/serve_overhead.json" > "$OUT/serve_overhead.log" 2>&1
+    rc=$?
+    grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING\|^(APIServer\|Loading weights\|verify:" "$OUT/serve_overhead.log" | tail -24
+  fi
 fi
 if [ "$phase" = profile ]; then
   if ! command -v py-spy >/dev/null; then

@@ -351,6 +351,14 @@ class _WorkerSide:
         # The writer waits for host copies sleeping, not spinning (see gpu_gather.copy_to_host); False
         # exists so the benchmark can compare (variant capture-spin).
         self.blocking_sync = bool(c._extra.get("blocking_sync", True))
+        # CUDA + a transport that allows it (shm without a payload checksum): each record's commit is a
+        # 4-byte copy queued on the copy stream after its payload (gpu_gather rule 5), so no thread of the
+        # engine waits for copies or commits records; the writer thread only serves the other paths.
+        # False: the writer thread waits for each group's copies and commits on the CPU (variant
+        # capture-hostcommit).
+        self.device_commit = bool(c._extra.get("device_commit", True))
+        self.commit_word: torch.Tensor | None = None  # on the device, once registered
+        self.inflight: list[tuple[Any, int]] = []  # (copy event, device bytes) of device-committed groups
         self.pinned_region: torch.Tensor | None = None
         # Benchmark aid only (benchmarks/capture_overhead.py "floor"): saves are reported done without
         # reading any row, which measures what the capture path costs the engine by itself.
@@ -393,8 +401,13 @@ class _WorkerSide:
                 err = register_host(region)
                 if err is None:
                     self.pinned_region = region
-                    log.info("layertap worker: %d MiB of transport memory page-locked; rows go to it directly",
-                             region.numel() >> 20)
+                    self.device_commit = self.device_commit and bool(getattr(self.sink, "device_commit_ok", False))
+                    if self.device_commit:
+                        self.commit_word = self.sink.commit_word().to(view.device)
+                    log.info("layertap worker: %d MiB of transport memory page-locked; rows go to it directly; "
+                             "records commit %s", region.numel() >> 20,
+                             "on the device (a commit word copied after each payload)" if self.device_commit
+                             else "on the writer thread, after their copies")
                 else:
                     self.direct = False
                     log.warning("layertap worker: cannot page-lock the transport memory (%s); staging rows "
@@ -473,13 +486,14 @@ class _WorkerSide:
         return view_blocks_for(job.block_ids, self.c._block_size, job.num_rows, self.ratio, request=job.req_id,
                                num_manager_blocks=self.num_manager_blocks)
 
-    def _reserve(self, job: SaveJob) -> Any:
+    def _reserve(self, job: SaveJob, device_commit: bool = False) -> Any:
         """The record's transport memory, reserved and filled but for the rows (``None``: no free room right
         now, or a transport without ``reserve``: the rows are staged and put instead)."""
         if not self.direct:
             return None
         specs, meta = self._record_layout(job)
-        res = self.sink.reserve(job.key, specs, meta)
+        res = self.sink.reserve(job.key, specs, meta, device_commit=True) if device_commit else \
+            self.sink.reserve(job.key, specs, meta)
         if res is not None:
             self._fill_small(res.tensors, job)
         return res
@@ -495,12 +509,18 @@ class _WorkerSide:
         res = self._reserve(job)
         # advanced indexing copies: the rows are ours now, the blocks may go
         rows = gather_blocks(self.view, self.geo, torch.tensor(blocks, dtype=torch.int64))[: job.num_rows]
-        if res is not None:
-            res.tensors["hidden_states"].copy_(rows)
         if job.release:
             self.released.add(job.req_id)
+        if res is not None:  # laid out in place: the copy is done, the commit is a few stores
+            try:
+                res.tensors["hidden_states"].copy_(rows)
+            except BaseException:
+                res.abort()
+                raise
+            res.commit()
+            return
         # blocks when the writer is behind: the engine slows, nothing drops
-        self.jobs.put(("host", job, None if res is not None else rows, res))
+        self.jobs.put(("host", job, rows, None))
 
     # The rows of one step's finished records are gathered together, in groups of at most this many bytes
     # of device memory.
@@ -538,22 +558,59 @@ class _WorkerSide:
             # blocks when the writer is behind: the engine slows, nothing drops
             self.jobs.put(("device", group, spans, rows, gathered, keep, nbytes))
             return
-        reservations = [self._reserve(job) for job in group]
-        dsts = [res.tensors["hidden_states"] if res is not None else None for res in reservations]
-        hosts, done = copy_to_host(rows, spans, dsts, self.copy_stream, gathered,
-                                   blocking=self.blocking_sync)
+        reservations: list[Any] = []
+        try:
+            for job in group:
+                reservations.append(self._reserve(job, self.commit_word is not None))
+            dsts = [res.tensors["hidden_states"] if res is not None else None for res in reservations]
+            if self.commit_word is not None and all(res is not None for res in reservations):
+                self._copy_and_commit_on_device(rows, spans, dsts, reservations, gathered, nbytes)
+                return
+            hosts, done = copy_to_host(rows, spans, dsts, self.copy_stream, gathered,
+                                       blocking=self.blocking_sync)
+        except BaseException:
+            _abort(reservations)
+            self._unstage(nbytes)
+            raise
         self.jobs.put(("copied", group, hosts, reservations, done, (rows, keep), nbytes))
+
+    def _copy_and_commit_on_device(self, rows: torch.Tensor, spans: list[tuple[int, int]], dsts: list[torch.Tensor],
+                                   reservations: list[Any], gathered: Any, nbytes: int) -> None:
+        """Queue the payload copies and then each record's commit word on the copy stream; nothing waits.
+        The gathered rows go back to the caching allocator tied to the copy stream (not reused before the
+        copies ran); the index's pinned source is held by the caching host allocator until its upload ran.
+        A reservation whose slots no device word reached (the copies failed to queue) is aborted by the
+        caller; one whose word was queued commits itself."""
+        _, done = copy_to_host(rows, spans, dsts, self.copy_stream, gathered, blocking=self.blocking_sync,
+                               commits=[res.commit_target for res in reservations], commit_word=self.commit_word)
+        for res in reservations:
+            res.handed_to_device()
+        rows.record_stream(self.copy_stream)
+        with self.staging:
+            self.inflight.append((done, nbytes))  # staged bytes stay counted until the copies ran
 
     # Device memory the gathered rows may hold while their host copies are in flight; past it the step
     # waits for the writer (backpressure instead of an out-of-memory error in the engine).
     MAX_STAGED_BYTES = 2 << 30
 
+    def _reap(self, wait: bool = False) -> None:
+        """Uncount device-committed groups whose copies ran (``wait``: wait for the oldest one first).
+        Caller holds ``self.staging``."""
+        if wait and self.inflight:
+            self.inflight[0][0].synchronize()
+        while self.inflight and self.inflight[0][0].query():
+            self.staged_bytes -= self.inflight.pop(0)[1]
+
     def _bound_staging(self, nbytes: int) -> None:
         with self.staging:
+            self._reap()
             while self.staged_bytes and self.staged_bytes + nbytes > self.MAX_STAGED_BYTES:
                 if self.error is not None:
                     raise RuntimeError(f"layertap writer failed: {self.error}") from self.error
-                self.staging.wait(timeout=0.5)
+                if self.inflight:
+                    self._reap(wait=True)  # the device copies are behind: the engine waits for the oldest
+                else:
+                    self.staging.wait(timeout=0.5)
             self.staged_bytes += nbytes
 
     def _unstage(self, nbytes: int) -> None:

@@ -11,8 +11,11 @@ Stream discipline (the bug class peers shipped: capture indices allocated on the
      the rows' cache blocks, so the engine can free them in the same step (``hold_forward``);
   4. the device-to-host copies run on a third stream from the private buffer into page-locked host
      memory (queued by the thread that reserved that memory: the connector's step thread by default);
-     their event completes when they are done, and only then may the buffer and the host memory be
-     reused.
+     the buffer goes back to the caching allocator tied to that stream (``record_stream``), so it is
+     not reused before the copies are done;
+  5. with a device commit, each record's commit word is copied after the payloads on the same stream:
+     the record becomes visible to its consumer when the copy engine gets there, and no engine thread
+     waits for the copy.
 The index is one entry per cache block, not per token (a record's rows are a prefix of its blocks'
 rows), so the step thread's work per record is a list of a few dozen ints.
 """
@@ -63,14 +66,22 @@ def gather_on_device(view: torch.Tensor, geo: ViewGeometry, block_lists: list[li
 
 
 def copy_to_host(rows: torch.Tensor, spans: list[tuple[int, int]], dsts: list[torch.Tensor | None],
-                 copy_stream: "torch.cuda.Stream", after: "torch.cuda.Event", *, blocking: bool = True):
+                 copy_stream: "torch.cuda.Stream", after: "torch.cuda.Event", *, blocking: bool = True,
+                 commits: list[torch.Tensor] | None = None, commit_word: torch.Tensor | None = None):
     """Queue the device-to-host copies of ``rows[start:start + n]`` for each (start, n) in ``spans`` on
     ``copy_stream``, after ``after`` (the gather). ``dsts[i]``: page-locked host memory to land record i in
     (e.g. a registered shared-memory slot, so the record needs no further copy); ``None``: a fresh pinned
-    buffer. Returns (host rows per record, completion event); ``rows`` must stay alive until it completes.
+    buffer. Returns (host rows per record, completion event); ``rows`` must stay alive until it completes
+    (or be handed to the caching allocator with ``record_stream(copy_stream)``).
     Any thread may call this. ``blocking``: a thread that waits on the event sleeps
     (``cudaEventBlockingSync``) instead of spinning, so the wait keeps no CPU busy in the engine's
-    process."""
+    process.
+
+    ``commits`` (device commit): one page-locked host word per record; after *every* payload copy is
+    queued, ``commit_word`` (a device tensor of the same shape) is copied into each, on the same stream, so
+    each lands after its payload (stream order) and no CPU thread has to wait for the copies to commit the
+    records. The commit words are queued last so that an error while queueing payloads leaves no record
+    half-committed: the caller may still abort them all."""
     copy_stream.wait_event(after)
     hosts = []
     with torch.cuda.stream(copy_stream):
@@ -78,6 +89,8 @@ def copy_to_host(rows: torch.Tensor, spans: list[tuple[int, int]], dsts: list[to
             host = torch.empty((n, *rows.shape[1:]), dtype=rows.dtype, pin_memory=True) if dst is None else dst
             host.copy_(rows[a:a + n], non_blocking=True)
             hosts.append(host)
+        for target in commits or ():
+            target.copy_(commit_word, non_blocking=True)
     done = torch.cuda.Event(blocking=blocking)
     done.record(copy_stream)
     return hosts, done

@@ -54,6 +54,7 @@ class RecordTooLarge(TransportError):
 
 
 _MAX_WAIT = 0.05  # longest single wait between re-checks of the pool (rings usually end it sooner)
+_DEVICE_WAIT = 0.0005  # the same while a device commit is pending (it rings no bell)
 
 
 class ShmSink(Sink):
@@ -140,17 +141,34 @@ class ShmSink(Sink):
         self.pool.commit(head, n, cks)
         self.bell.ring(sp.consumer_bell(self.name))
 
-    def reserve(self, key: str, specs: dict[str, Any], meta: dict[str, Any]) -> "ShmReservation | None":
+    @property
+    def device_commit_ok(self) -> bool:
+        """Whether a reservation may be committed by the device (``reserve(..., device_commit=True)``): only
+        without a payload checksum, which the CPU would have to compute over the landed payload."""
+        return self.checksum == "none"
+
+    def commit_word(self) -> torch.Tensor:
+        """The 4-byte value a device commit copies into ``ShmReservation.commit_target``."""
+        return torch.tensor([sp.COMMITTED], dtype=torch.int32)
+
+    def reserve(self, key: str, specs: dict[str, Any], meta: dict[str, Any], *,
+                device_commit: bool = False) -> "ShmReservation | None":
         """Claim slots for the record now (``None`` if none are free: never waits), write its header, and
         return tensors that view the slot memory for the producer to fill (e.g. a GPU copy straight into
-        shared memory, no host staging). Nothing is visible to the consumer before ``commit``."""
+        shared memory, no host staging). Nothing is visible to the consumer before ``commit``.
+
+        ``device_commit``: the record becomes visible when ``commit_word()`` lands in the reservation's
+        ``commit_target`` (a view of its slot's state word), copied there by the device after the payload;
+        the producer then calls ``handed_to_device()`` instead of ``commit()``."""
+        if device_commit and not self.device_commit_ok:
+            raise TransportError(f"shm pool {self.name}: a device commit needs checksum 'none', not {self.checksum!r}")
         prefix, spans, total = layout(specs, meta)
         span = self._span(key, total)
         now = time.monotonic()
         if now >= self._next_consumer_check:  # a /proc read: at most every _LIVENESS_EVERY s, not per record
             self._check_consumer(key)
             self._next_consumer_check = now + _LIVENESS_EVERY
-        head = self.pool.claim(span, self.writer, self._key_bytes(key))
+        head = self.pool.claim(span, self.writer, self._key_bytes(key), device_length=total if device_commit else None)
         if head is None:
             return None
         try:
@@ -164,17 +182,21 @@ class ShmSink(Sink):
                     tensors[name] = torch.frombuffer(view[pos : pos + nbytes], dtype=torch.uint8).view(dtype).reshape(shape)
                 else:
                     tensors[name] = torch.empty(shape, dtype=dtype)
+            target = None
+            if device_commit:
+                off = self.pool.state_offset(head)
+                target = torch.frombuffer(memoryview(self.pool.mm)[off : off + 4], dtype=torch.int32)
         except BaseException:
             with self.pool.locked():
                 self.pool.free(head)
             raise
-        return ShmReservation(self, key, head, span, total, tensors)
+        return ShmReservation(self, key, head, span, total, tensors, target)
 
     def data_region(self) -> torch.Tensor:
-        """The pool's whole slot area as one uint8 tensor (for registering it with a device driver, so
-        device-to-host copies land in the slots directly)."""
-        mv = memoryview(self.pool.mm)[self.pool.data_off : self.pool.data_off + self.pool.num_slots * self.pool.slot_bytes]
-        return torch.frombuffer(mv, dtype=torch.uint8)
+        """The whole pool mapping (header, tables, slots) as one uint8 tensor, for registering it with a
+        device driver: device-to-host copies then land in the slots directly, and a device commit's state
+        word in the slot table."""
+        return torch.frombuffer(memoryview(self.pool.mm), dtype=torch.uint8)
 
     def _commit_reserved(self, res: "ShmReservation") -> None:
         data = self.pool.data(res.head, res.span)[: res.length]
@@ -197,8 +219,10 @@ class ShmReservation(Reservation):
     """Slots claimed by ``ShmSink.reserve``; ``tensors`` view them. Commit or abort exactly once."""
 
     def __init__(self, sink: ShmSink, key: str, head: int, span: int, length: int,
-                 tensors: dict[str, torch.Tensor]):
+                 tensors: dict[str, torch.Tensor], commit_target: torch.Tensor | None = None):
         self.sink, self.key, self.head, self.span, self.length, self.tensors = sink, key, head, span, length, tensors
+        self.commit_target = commit_target
+        """Device commit only: the slot's state word (int32, in the mapping); ``commit_word()`` goes there."""
         self._done = False
 
     def commit(self) -> None:
@@ -206,13 +230,24 @@ class ShmReservation(Reservation):
             raise TransportError(f"record {self.key}: reservation already committed or aborted")
         self._done = True
         self.tensors = {}
+        self.commit_target = None
         self.sink._commit_reserved(self)
+
+    def handed_to_device(self) -> None:
+        """The device's copies (payload, then the commit word) are queued: the record commits itself when
+        they land. Nothing may abort it any more."""
+        if self._done or self.commit_target is None:
+            raise TransportError(f"record {self.key}: not a pending device commit")
+        self._done = True
+        self.tensors = {}
+        self.commit_target = None
 
     def abort(self) -> None:
         if self._done:
             return
         self._done = True
         self.tensors = {}
+        self.commit_target = None
         with self.sink.pool.locked():
             self.sink.pool.free(self.head)
 
@@ -230,6 +265,7 @@ class ShmSource(Source):
         self.bell = sp.Doorbell(sp.consumer_bell(self.name))
         self._seen: set[str] = set()
         self._last_seq = -1
+        self._pending: list[int] = []  # heads of records the device will commit (WRITING with a seq)
         self._next_liveness = 0.0
         self._dead_writers: list[str] = []
 
@@ -244,11 +280,15 @@ class ShmSource(Source):
     # --- delivery ------------------------------------------------------------------------------
     def _take(self) -> list[sp.SlotInfo]:
         seq = self.pool.commit_seq()
-        if seq == self._last_seq:
+        # Nothing new: no sequence number taken since the last scan, and no pending device commit landed
+        # (its state word is the only thing that changes; read without the lock, re-read under it).
+        if seq == self._last_seq and not any(self.pool.state_of(h) == sp.COMMITTED for h in self._pending):
             return []
         with self.pool.locked():
             self._last_seq = self.pool.commit_seq()
-            taken = [s for s in map(self.pool.slot, range(self.pool.num_slots)) if s.state == sp.COMMITTED]
+            states = self.pool.states()  # state words only; whole entries of the slots that matter
+            taken = [self.pool.slot(i) for i, st in enumerate(states) if st == sp.COMMITTED]
+            self._pending = [i for i, st in enumerate(states) if st == sp.WRITING and self.pool.seq_of(i)]
             for s in taken:
                 self.pool.set_slot(s.index, sp.READING, s.writer, s.span, s.seq, s.length, s.checksum)
         return sorted(taken, key=lambda s: s.seq)
@@ -314,6 +354,7 @@ class ShmSource(Source):
                 for s in lost:
                     self.pool.free(s.index)
                 self.pool.set_writer(w, sp.W_DEAD, pid, start, name)
+                self._last_seq = -1  # rescan: its pending device commits are gone
             keys = ", ".join(s.key for s in lost) or "none mid-write"
             raise PeerGone(f"shm pool {self.name}: writer {name!r} (pid {pid}) died; records lost in flight: {keys}")
 
@@ -334,7 +375,9 @@ class ShmSource(Source):
                 self._check_writers()
             if now >= deadline:
                 return []
-            self.bell.wait(min(_MAX_WAIT, deadline - now))  # sinks ring on every commit
+            # Sinks ring on every CPU commit; a device commit rings nobody, so while one is pending the
+            # wait is short (the copy lands within a millisecond of the engine's step).
+            self.bell.wait(min(_DEVICE_WAIT if self._pending else _MAX_WAIT, deadline - now))
 
     def free_capacity(self) -> int:
         """Records of the expected size that fit in the free slots right now."""

@@ -8,10 +8,17 @@ every record (writing into fresh shared memory is an order of magnitude slower t
     [8192, data)     slot table: one entry per slot (state, writer, span, key, seq, length, checksum)
     [data, end)      ``num_slots`` slots of ``slot_bytes``; a record spans one or more contiguous slots
 
-Slot life cycle (every transition under the pool lock)::
+Slot life cycle (every transition under the pool lock, but one)::
 
     FREE -> WRITING (sink claims; key recorded) -> COMMITTED (payload + checksum written) ->
     READING (consumer took it) -> FREE (consumer released it)
+
+The one exception is a *device commit* (``claim(..., device_length=n)``): the sink takes the record's
+sequence number and length when it claims, and the GPU itself turns WRITING into COMMITTED, by copying the
+4-byte state word into the slot table right after the payload, on the same CUDA stream. Stream order puts
+the word after the payload, so a record never looks complete before it is; no CPU thread of the engine
+waits for the copy. A slot WRITING with a sequence number is such a pending record: the consumer watches
+its state word (``state_of``).
 
 The lock is a POSIX record lock (``fcntl.lockf``) on byte 0 of the segment: the kernel drops it when its
 holder dies, so a ``kill -9`` never leaves the pool locked. Liveness of a peer is its pid plus its start
@@ -171,6 +178,7 @@ class Pool:
             self.close()
             raise TransportError(f"/dev/shm/{name} is not a layertap pool of version {VERSION}")
         self._tlock = threading.Lock()  # record locks are per process: threads need their own lock
+        self._cursor = 0  # where the next claim starts looking (see ``claim``)
 
     @staticmethod
     def create(name: str, num_slots: int, slot_bytes: int) -> int:
@@ -246,21 +254,46 @@ class Pool:
     def states(self) -> list[int]:
         return [struct.unpack_from("<I", self.mm, _SLOTS_AT + i * _SLOT_SIZE)[0] for i in range(self.num_slots)]
 
+    def seq_of(self, i: int) -> int:
+        return struct.unpack_from("<Q", self.mm, _SLOTS_AT + i * _SLOT_SIZE + 16)[0]
+
     def free_slots(self) -> int:
         return sum(1 for s in self.states() if s == FREE)
 
-    def claim(self, span: int, writer: int, key: bytes) -> int | None:
-        """Mark the first run of ``span`` free slots as being written; returns its head or ``None``."""
+    def state_offset(self, head: int) -> int:
+        """Byte offset of a slot's state word in the mapping (where a device commit writes)."""
+        return _SLOTS_AT + head * _SLOT_SIZE
+
+    def state_of(self, head: int) -> int:
+        return struct.unpack_from("<I", self.mm, _SLOTS_AT + head * _SLOT_SIZE)[0]
+
+    def claim(self, span: int, writer: int, key: bytes, device_length: int | None = None) -> int | None:
+        """Mark the first run of ``span`` free slots as being written; returns its head or ``None``.
+        ``device_length``: the record's length, for a device commit (module docstring): its sequence number
+        is taken now, so the consumer knows the slot will turn COMMITTED without a CPU commit."""
         with self.locked():
             run = 0
-            for i in range(self.num_slots):  # stops at the first fit (no list of every slot's state)
+            # First fit, starting where this process's last claim ended (the pool fills and drains as a
+            # ring, so the slots there are the likeliest free ones: a claim reads a few state words, not
+            # every busy slot's); a run never wraps past the last slot.
+            n, start = self.num_slots, self._cursor % self.num_slots
+            for k in range(n if start == 0 else n + span - 1):  # every possible head once
+                i = (start + k) % n
+                if i == 0:
+                    run = 0
                 s = struct.unpack_from("<I", self.mm, _SLOTS_AT + i * _SLOT_SIZE)[0]
                 run = run + 1 if s == FREE else 0
                 if run == span:
                     head = i - span + 1
+                    self._cursor = i + 1
                     for j in range(head + 1, head + span):
                         self.set_slot(j, CONT, writer)
-                    self.set_slot(head, WRITING, writer, span, key=key)
+                    if device_length is None:
+                        self.set_slot(head, WRITING, writer, span, key=key)
+                    else:
+                        seq = self.commit_seq() + 1
+                        struct.pack_into("<Q", self.mm, _OFF_SEQ, seq)  # wakes the consumer's full scan
+                        self.set_slot(head, WRITING, writer, span, seq, device_length, 0, key=key)
                     return head
         return None
 

@@ -252,3 +252,80 @@ def test_reserved_records_are_filled_in_place_and_invisible_until_committed(pool
         assert src.free_capacity() == 4
     finally:
         sink.close()
+
+
+def _tell(proc, line: str) -> None:
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def test_device_commit_is_invisible_until_its_word_lands_then_delivered_without_a_ring():
+    """The CUDA path's commit (shm_pool docstring): the writer process takes the sequence number when it
+    reserves and never commits on the CPU; the record appears when its slot's state word lands, in any
+    order, and the consumer notices without a doorbell ring. A checksum pool refuses device commits."""
+    cfg = SHM.prepare({"slot_bytes": 64 << 10, "num_slots": 4, "checksum": "none"})
+    src = SHM.make_source(cfg)
+    prod = spawn("device-reserve", "shm", json.dumps(cfg), "cuda-worker", "3")
+    try:
+        assert read_line(prod) == "reserved"
+        assert src.poll(0.2) == []  # reserved, payload written, but no word landed: nothing to deliver
+        assert src.free_capacity() == 1
+        _tell(prod, "land 2")
+        assert read_line(prod) == "landed"
+        t0 = time.monotonic()
+        recs = src.poll(2.0)  # no ring comes: the consumer watches the pending state words
+        assert time.monotonic() - t0 < 0.5
+        assert [r.key for r in recs] == ["req-2"]
+        assert torch.equal(recs[0].hidden_states, expected_hidden(2))
+        recs[0].release()
+        assert src.poll(0.05) == []
+        for i in (0, 1):
+            _tell(prod, f"land {i}")
+            assert read_line(prod) == "landed"
+        keys = []
+        wait_for(lambda: keys.extend(r.key for r in src.poll(0.1) if r.release() is None) or len(keys) == 2, 5,
+                 "two records")
+        assert sorted(keys) == ["req-0", "req-1"]
+        _tell(prod, "exit")
+        assert prod.wait(10) == 0
+        assert src.free_capacity() == 4
+    finally:
+        prod.kill()
+        src.close()
+    crc = SHM.prepare({"slot_bytes": 64 << 10, "num_slots": 2, "checksum": "crc32"})
+    src = SHM.make_source(crc)
+    sink = SHM.make_sink(crc, "w")
+    try:
+        assert not sink.device_commit_ok
+        with pytest.raises(TransportError, match="device commit needs checksum 'none'"):
+            sink.reserve("k", {"token_ids": (torch.int64, (4,))}, {}, device_commit=True)
+    finally:
+        sink.close()
+        src.close()
+
+
+def test_writer_killed_with_device_commits_pending_is_named_and_its_slots_reclaimed():
+    cfg = SHM.prepare({"slot_bytes": 64 << 10, "num_slots": 4, "checksum": "none"})
+    src = SHM.make_source(cfg)
+    prod = spawn("device-reserve", "shm", json.dumps(cfg), "cuda-worker-1", "2")
+    try:
+        assert read_line(prod) == "reserved"
+        _tell(prod, "land 0")
+        assert read_line(prod) == "landed"
+        os.kill(prod.pid, signal.SIGKILL)
+        prod.wait(10)
+        got = []
+
+        def dies() -> bool:
+            try:
+                got.extend(r.key for r in src.poll(0.1) if r.release() is None)
+            except PeerGone as e:
+                assert "cuda-worker-1" in str(e) and "req-1" in str(e) and "req-0" not in str(e)
+                return True
+            return False
+
+        wait_for(dies, 5, "PeerGone naming the record lost in flight")
+        assert got == ["req-0"]  # the landed one is delivered first
+        assert src.free_capacity() == 4
+    finally:
+        src.close()

@@ -101,8 +101,8 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
 
 
 def spawn(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(HERE), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen([sys.executable, str(HERE), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def read_line(proc: subprocess.Popen, timeout: float = 20.0) -> str:
@@ -131,6 +131,32 @@ def _produce(name: str, cfg: dict[str, Any], writer: str, first: int, count: int
     sink.close()
 
 
+def _device_reserve(name: str, cfg: dict[str, Any], writer: str, count: int) -> None:
+    """Plays the engine on CUDA with device commits: reserve ``count`` records for a device commit, write
+    their payloads, hand them to the "device", then land each one's commit word (what the copy engine
+    does after the payload) when stdin says ``land <i>``; ``exit`` ends it."""
+    sink = get_transport(name).make_sink(cfg, writer)
+    pending = []
+    for i in range(count):
+        key, tensors, meta = make_record(i)
+        res = sink.reserve(key, {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}, meta, device_commit=True)
+        for k, t in tensors.items():
+            res.tensors[k].copy_(t)
+        target = res.commit_target
+        res.handed_to_device()
+        pending.append(target)
+    word = sink.commit_word()
+    print("reserved", flush=True)
+    for line in sys.stdin:
+        cmd, *arg = line.split()
+        if cmd == "land":
+            pending[int(arg[0])].copy_(word)
+            print("landed", flush=True)
+        elif cmd == "exit":
+            break
+    sink.close()
+
+
 def _consume(name: str, cfg: dict[str, Any], delay: float) -> None:
     t = get_transport(name)
     cfg = t.prepare(cfg)
@@ -148,6 +174,8 @@ def main(argv: list[str]) -> int:
     try:
         if cmd == "produce":
             _produce(name, cfg, argv[3], int(argv[4]), int(argv[5]), int(argv[6]))
+        elif cmd == "device-reserve":
+            _device_reserve(name, cfg, argv[3], int(argv[4]))
         elif cmd == "consume":
             _consume(name, cfg, float(argv[3]) if len(argv) > 3 else 0.0)
         else:

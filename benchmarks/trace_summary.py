@@ -1,0 +1,123 @@
+"""Summarize a torch profiler trace (Chrome JSON, as vLLM's ``profiler_config`` writes it from the worker)
+into the few numbers that tell where an engine step's time goes, per profiled request:
+
+- the window, and how much of it the GPU was busy (union of kernels, copies and memsets), per stream;
+- device-to-host and host-to-device copies: count, bytes, time;
+- CUDA runtime calls on the CPU (launches, async copies, event queries/syncs, stream waits): count, time;
+- CPU threads: busy time (union of their top-level events) per thread;
+- the CPU ops and Python-side ranges that took the most time.
+
+    python benchmarks/trace_summary.py TRACE.json[.gz] [--requests N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+from pathlib import Path
+
+
+def _load(path: Path) -> list[dict]:
+    raw = gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
+    data = json.loads(raw)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def summarize(path: Path, requests: int = 1, top: int = 12) -> dict:
+    events = [e for e in _load(Path(path)) if e.get("ph") == "X" and "dur" in e]
+    if not events:
+        return {"error": f"no complete events in {path}"}
+    t0 = min(e["ts"] for e in events)
+    t1 = max(e["ts"] + e["dur"] for e in events)
+    window = t1 - t0
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    per_stream: dict[str, list] = collections.defaultdict(list)
+    for e in gpu:
+        per_stream[str(e.get("args", {}).get("stream", e.get("tid")))].append((e["ts"], e["ts"] + e["dur"]))
+    copies: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0])
+    for e in gpu:
+        if e.get("cat") == "gpu_memcpy":
+            c = copies[e["name"]]
+            c[0] += 1
+            c[1] += e["dur"]
+            c[2] += int(e.get("args", {}).get("bytes", 0) or 0)
+    runtime: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            r = runtime[e["name"]]
+            r[0] += 1
+            r[1] += e["dur"]
+    threads: dict[str, list] = collections.defaultdict(list)
+    ops: dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation", "python_function", "cuda_runtime"):
+            threads[f"{e.get('pid')}/{e.get('tid')}"].append((e["ts"], e["ts"] + e["dur"]))
+        if e.get("cat") in ("cpu_op", "user_annotation"):
+            ops[e["name"]] += e["dur"]
+    n = max(1, requests)
+    ms = 1e-3 / n  # microseconds in the trace -> ms per request
+    return {
+        "trace": Path(path).name, "requests": requests, "window_ms_per_request": window * ms,
+        "gpu_busy_fraction": _union([iv for ivs in per_stream.values() for iv in ivs]) / window if window else 0.0,
+        "gpu_busy_ms_per_request_by_stream": {s: _union(ivs) * ms for s, ivs in sorted(per_stream.items())},
+        "kernels_per_request": sum(1 for e in gpu if e.get("cat") == "kernel") / n,
+        "copies": {k: {"count_per_request": v[0] / n, "ms_per_request": v[1] * ms, "bytes_per_request": v[2] / n}
+                   for k, v in sorted(copies.items())},
+        "cuda_runtime": {k: {"count_per_request": v[0] / n, "ms_per_request": v[1] * ms}
+                         for k, v in sorted(runtime.items(), key=lambda kv: -kv[1][1])[:top]},
+        "cpu_threads_busy_ms_per_request": {t: _union(ivs) * ms for t, ivs in
+                                            sorted(threads.items(), key=lambda kv: -_union(kv[1]))[:6]},
+        "top_cpu_ops_ms_per_request": {k: v * ms for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:top]},
+    }
+
+
+def compare(summaries: dict[str, dict]) -> str:
+    """A side-by-side table of the headline numbers of several summaries (name -> summary)."""
+    names = list(summaries)
+    lines = [f"{'per request':<44}" + "".join(f"{n:>20}" for n in names)]
+
+    def row(label: str, get) -> None:
+        vals = []
+        for n in names:
+            try:
+                vals.append(f"{get(summaries[n]):>20.3f}")
+            except (KeyError, TypeError, ValueError):
+                vals.append(f"{'-':>20}")
+        lines.append(f"{label:<44}" + "".join(vals))
+
+    row("window ms", lambda s: s["window_ms_per_request"])
+    row("GPU busy fraction", lambda s: s["gpu_busy_fraction"])
+    row("kernels", lambda s: s["kernels_per_request"])
+    keys = sorted({k for s in summaries.values() for k in s.get("copies", {})})
+    for k in keys:
+        row(f"{k[:30]} ms", lambda s, k=k: s["copies"][k]["ms_per_request"])
+    keys = sorted({k for s in summaries.values() for k in s.get("cuda_runtime", {})})
+    for k in keys:
+        row(f"{k[:34]} ms", lambda s, k=k: s["cuda_runtime"][k]["ms_per_request"])
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace", nargs="+")
+    ap.add_argument("--requests", type=int, default=1)
+    args = ap.parse_args()
+    sums = {Path(t).name[:18]: summarize(Path(t), args.requests) for t in args.trace}
+    print(json.dumps(sums, indent=1))
+    print(compare(sums))
+
+
+if __name__ == "__main__":
+    main()
