@@ -112,10 +112,11 @@ def test_control_commit_word_before_the_rows_delivers_an_incomplete_record(pool)
 
 def adversary_on(side):
     """What the gather stream does next: take the freed gather buffer's size and overwrite it."""
-    with torch.cuda.stream(side):
-        t = torch.empty(N + 3, PLANES, HIDDEN, device="cuda", dtype=torch.bfloat16)  # the buffer's rows
-        t.fill_(7.0)
-    return t
+    with torch.cuda.stream(side):  # several: the allocator may hand out another free block of that size first
+        ts = [torch.empty(N + 3, PLANES, HIDDEN, device="cuda", dtype=torch.bfloat16) for _ in range(16)]
+        for t in ts:
+            t.fill_(7.0)
+    return ts
 
 
 def test_gathered_rows_are_not_reused_before_their_copy_ran(pool):
