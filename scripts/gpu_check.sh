@@ -12,6 +12,8 @@
 #                                      # every engine at 1 and 4 in flight (PROFILE_INFLIGHT), summarized
 #                                      # side by side + trainer MFU (SKIP_TRAIN_BENCH=1: skip)
 #   bash scripts/gpu_check.sh bench-tp2   # the overhead ratio with tensor parallel 2 (two GPUs)
+#   bash scripts/gpu_check.sh loop    # train a target, EAGLE-3 + DFlash online and offline, serve them with
+#                                      # speculative decoding, report (benchmarks/gpu_loop.py; exit 75: call again)
 #   bash scripts/gpu_check.sh serve   # layertap serve --capture-all vs vllm serve, both under `vllm bench serve`
 #                                      # (512 in / 256 out, concurrency 1,16,64; needs .gpubundle/serve wheels)
 #   bash scripts/gpu_check.sh profile     # py-spy over PROFILE_VARIANTS (plain capture) at PROFILE_INFLIGHT (1):
@@ -89,6 +91,11 @@ if [ "$phase" = serve ]; then  # layertap serve --capture-all vs vllm serve unde
     rc=$?
     grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING\|^(APIServer\|Loading weights\|verify:" "$OUT/serve_overhead.log" | tail -24
   fi
+fi
+if [ "$phase" = loop ]; then  # the whole drafter loop (benchmarks/gpu_loop.py); resumable: call again on exit 75
+  python3 benchmarks/gpu_loop.py --profile ${LOOP_PROFILE:-h200} --work ${LOOP_WORK:-/tmp/gpu_loop} --out "$OUT" \
+    --deadline-s ${LOOP_DEADLINE:-540} ${LOOP_ARGS:-} 2>&1 | grep -v "^(EngineCore\|^(Worker\|^INFO\|^(APIServer" | tail -40
+  rc=${PIPESTATUS[0]}
 fi
 if [ "$phase" = profile ]; then
   if ! command -v py-spy >/dev/null; then

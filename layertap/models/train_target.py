@@ -13,6 +13,7 @@ of the spec: the first call trains (a few minutes on 2 CPU cores), later calls r
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -20,6 +21,7 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from layertap.models.tiny import (
     TinySpec,
@@ -124,56 +126,88 @@ def _lr_at(step: int, spec: TargetSpec) -> float:
     return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def train_target(out_dir: str | Path, spec: TargetSpec | None = None, *, log_every: int = 50) -> Path:
-    """Train the target into ``out_dir`` (tokenizer + safetensors + config); returns the path."""
+TRAIN_DTYPES = ("float32", "bfloat16")
+
+
+def train_target(out_dir: str | Path, spec: TargetSpec | None = None, *, log_every: int = 50,
+                 device: str = "cpu", dtype: str = "float32", time_budget_s: float | None = None) -> Path:
+    """Train the target into ``out_dir`` (tokenizer + safetensors + config); returns the path.
+
+    ``device`` and ``dtype`` say where and how it trains; the defaults are the fp32 CPU run that made the
+    cached CPU target. ``dtype="bfloat16"`` trains under bf16 autocast (fp32 master weights and optimizer
+    state) and saves bf16 weights, so vLLM serves the checkpoint in bf16 by default. ``time_budget_s`` ends
+    training after that many seconds even if ``spec.steps`` are not done (the stamp records the steps
+    done). None of the three is part of the cache key: they change how fast the spec is trained, not what.
+    """
     import torch
     from transformers import Qwen3ForCausalLM
 
     spec = spec or TargetSpec()
+    if dtype not in TRAIN_DTYPES:
+        raise ValueError(f"train_target: dtype must be one of {TRAIN_DTYPES}, got {dtype!r}")
+    dev = torch.device(device)
     torch.set_num_threads(min(2, torch.get_num_threads()))  # the CPU machines are shared
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out, spec.model.vocab_size)
     torch.manual_seed(spec.seed)
-    model = Qwen3ForCausalLM(hf_config(spec.model, tokenizer)).to(torch.float32)
+    # On an accelerator the weights are initialised there (seconds instead of a minute for 1 B parameters).
+    with dev if dev.type != "cpu" else contextlib.nullcontext():
+        model = Qwen3ForCausalLM(hf_config(spec.model, tokenizer)).to(torch.float32).to(dev)
     n_tokens = spec.steps * spec.batch_size * spec.seq_len
     # ~170 tokens per example; 1.3x headroom so no row is seen twice within the budget.
     data = _pack(chat_examples(int(1.3 * n_tokens / 170) + 64, spec.seed, tokenizer), spec.seq_len,
                  tokenizer.pad_token_id)
     gen = torch.Generator().manual_seed(spec.seed)
     order = torch.randperm(data.shape[0], generator=gen)
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    cuda = dev.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
     model.train()
+    losses = []  # detached per-step losses; read back once at the end (no sync per step)
     t0 = time.monotonic()
     for step in range(spec.steps):
         idx = order[(torch.arange(spec.batch_size) + step * spec.batch_size) % data.shape[0]]
-        batch = data[idx]
+        batch = data[idx].to(dev)
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, spec)
-        loss = model(input_ids=batch, labels=batch).loss
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            loss = model(input_ids=batch, labels=batch).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if log_every and (step % log_every == 0 or step == spec.steps - 1):
+        losses.append(loss.detach())
+        last = step == spec.steps - 1
+        over = time_budget_s is not None and time.monotonic() - t0 > time_budget_s
+        if log_every and (step % log_every == 0 or last or over):
             print(f"[train_target] step {step}/{spec.steps} loss {loss.item():.3f} "
                   f"({time.monotonic() - t0:.0f}s)", flush=True)
+        if over and not last:
+            print(f"[train_target] time budget {time_budget_s:.0f}s reached after {step + 1} of {spec.steps} steps",
+                  flush=True)
+            break
+    train_s = time.monotonic() - t0
     model.eval()
-    model.save_pretrained(str(out), safe_serialization=True)
+    if dtype == "bfloat16":
+        model.to(torch.bfloat16)  # save_pretrained records the weights' dtype in config.json
+    model.to("cpu").save_pretrained(str(out), safe_serialization=True)
     model.generation_config.save_pretrained(str(out))
+    curve = [round(float(x), 4) for x in torch.stack(losses).float().cpu()]
     (out / "layertap_target.json").write_text(json.dumps(
-        {"hash": _spec_key(spec), "final_loss": float(loss.item()), "steps": spec.steps}, indent=1))
+        {"hash": _spec_key(spec), "final_loss": float(loss.item()), "steps": spec.steps, "steps_done": len(curve),
+         "device": str(dev), "dtype": dtype, "train_s": round(train_s, 1), "losses": curve}, indent=1))
     return out
 
 
-def trained_target(spec: TargetSpec | None = None) -> Path:
-    """Path of the cached trained target for ``spec`` (trained on first use, then reused)."""
+def trained_target(spec: TargetSpec | None = None, **train_kw: Any) -> Path:
+    """Path of the cached trained target for ``spec`` (trained on first use, then reused); ``train_kw``
+    (``device``, ``dtype``, ``time_budget_s``, ``log_every``) go to ``train_target`` when it trains."""
     spec = spec or TargetSpec()
     out = default_cache_dir() / f"target-qwen3-{_spec_key(spec)}"
     stamp = out / "layertap_target.json"
     if stamp.exists() and json.loads(stamp.read_text()).get("hash") == _spec_key(spec):
         return out
-    return train_target(out, spec)
+    return train_target(out, spec, **train_kw)
 
 
 if __name__ == "__main__":

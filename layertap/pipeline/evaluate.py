@@ -14,6 +14,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,46 @@ def drafter_only(target: str, drafters: dict[str, dict[str, Any]], prompts: list
     return {"num_prompts": len(prompts), "max_tokens": max_tokens, "results": results}
 
 
+def timed_decode(llm: Any, prompts: list[list[int]], *, batch_size: int, max_tokens: int,
+                 repeats: int = 1, speculative: bool = True) -> dict[str, Any]:
+    """Greedy decoding of ``prompts`` in consecutive batches of ``batch_size`` (one ``generate`` call per
+    batch, so at most ``batch_size`` requests are in flight), ``repeats`` times. Returns the outputs (token
+    ids per prompt, from the first repeat), the seconds each repeat took, the output tokens per repeat,
+    output tokens/s (all repeats), and, when ``speculative``, vLLM's acceptance over all repeats from its
+    own counters (``spec_result``; the engine needs ``disable_log_stats=False``)."""
+    from vllm import SamplingParams
+
+    from layertap.train.eval import _snapshot, spec_result
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    before = _snapshot(llm) if speculative else None
+    outputs: list[list[int]] = []
+    seconds, tokens = [], []
+    for r in range(repeats):
+        t0, n = time.perf_counter(), 0
+        for i in range(0, len(prompts), batch_size):
+            chunk = [{"prompt_token_ids": list(p)} for p in prompts[i : i + batch_size]]
+            outs = llm.generate(chunk, params, use_tqdm=False)
+            ids = [list(o.outputs[0].token_ids) for o in outs]
+            n += sum(len(x) for x in ids)
+            if r == 0:
+                outputs += ids
+        seconds.append(time.perf_counter() - t0)
+        tokens.append(n)
+    res: dict[str, Any] = {"batch_size": batch_size, "num_prompts": len(prompts), "max_tokens": max_tokens,
+                           "repeats": repeats, "seconds": seconds, "output_tokens": tokens,
+                           "output_tokens_per_s": sum(tokens) / max(sum(seconds), 1e-9), "outputs": outputs}
+    if speculative:
+        res["acceptance"] = asdict(spec_result(f"batch {batch_size}", before, _snapshot(llm)))
+    return res
+
+
+EVAL_GPU_MEMORY_UTILIZATION = 0.05
+"""On CUDA, the evaluation engines' ``gpu_memory_utilization``. Their KV cache is ``kv_cache_memory_bytes``,
+so this value only feeds vLLM's start-up check (free memory >= utilization x total); at vLLM's default
+(0.9) an evaluation started next to the capture engine and the trainer on one GPU would be refused."""
+
+
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     from layertap.train.eval import run_eval
 
@@ -60,6 +101,9 @@ def main(argv: list[str]) -> int:
     job = json.loads(Path(argv[0]).read_text())
     if job.get("threads"):
         torch.set_num_threads(int(job["threads"]))
+    kw = job["engine_kwargs"]
+    if torch.cuda.is_available() and "kv_cache_memory_bytes" in kw:
+        kw.setdefault("gpu_memory_utilization", EVAL_GPU_MEMORY_UTILIZATION)
     res = run_job(job)
     tmp = Path(argv[1]).with_suffix(".tmp")
     tmp.write_text(json.dumps(res, indent=1))

@@ -1,0 +1,1263 @@
+"""The whole drafter loop on one machine, measured: train a target, train EAGLE-3 and DFlash online from
+live vLLM (``layertap train``), do the same EAGLE-3 run offline (``capture`` + ``train-offline``), serve the
+exported drafters in vLLM and time decoding against plain vLLM and ngram, and write one report.
+
+    python benchmarks/gpu_loop.py --profile h200 --work /tmp/gpu_loop --out $OUT --deadline-s 575
+    python benchmarks/gpu_loop.py --profile cpu-tiny --work /tmp/loop --out /tmp/loop-out   # CPU smoke run
+
+On the GPU machine ``bash scripts/gpu_loop.sh`` sets up the environment and runs the first line; its header
+lists the device calls. tests/engine/test_gpu_loop.py runs the second.
+
+Stages, in order (``--stages``, default all); each is skipped when its result file exists in ``--work``,
+so a run split over several device calls resumes where the last one stopped:
+    target   train the target (``layertap.models.train_target``, sizes from the profile) on the stdlib
+             corpus, on CUDA in bf16 where the profile says so; cached by spec hash (``LAYERTAP_CACHE``)
+    eagle3   ``python -m layertap train --drafter eagle3`` (real CLI, subprocess): engine and trainer on one
+             device, records over shm, periodic acceptance evaluations, export; an interrupted run resumes
+    dflash   the same for DFlash
+    offline  ``layertap capture`` (generate mode, file dataset) + ``layertap train-offline --kind eagle3``
+             with the online run's inputs, steps and batch: wall time of each and the dataset's bytes
+    serve    one subprocess per variant (plain, ngram, eagle3, dflash): vLLM ``LLM``, greedy, the held-out
+             prompts at each batch size (one ``generate`` per batch): output tokens/s after a warm-up,
+             mean acceptance length from vLLM's counters, the share of outputs equal to plain's
+    report   gpu_loop.json (raw, everything measured), gpu_loop.md and gpu_loop.png in --work/report and --out,
+             with gpu_loop.log and gpu_loop_logs.tar.gz (every stage's log) beside them in --out
+
+Time guard: ``--deadline-s N`` ends this invocation within N s of its start. A stage (a serve variant) whose
+profile estimate does not fit in the time left is deferred, and later ones that fit still run; a subprocess
+still running near the deadline gets SIGTERM (``layertap train`` stops cleanly and resumes next time). A
+stage that failed is not retried by later calls unless ``--retry-failed``. Exit status: 75 while work
+remains (call again: it resumes), else 1 when a stage failed (the others ran where they could), else 0.
+Each stage's output goes to --work/logs/STAGE.log.
+
+Memory on one GPU (profile h200): the capture engine reserves ``gpu_memory_utilization`` 0.2 (weights, CUDA
+graphs and a KV cache that holds all requests in flight with their capture planes, with room to spare);
+the trainer (the ``layertap train`` process) allocates what it needs beside it; the evaluation engines that
+the run starts while both are up use a fixed ``eval.kv_cache_mb`` and pass vLLM's start-up check with
+``layertap.pipeline.evaluate.EVAL_GPU_MEMORY_UTILIZATION``. nvidia-smi is sampled during every stage, so
+the report gives the measured peak of the device and of each process.
+
+MFU counts model FLOPs (formulas in ``eagle3_flops_per_token`` / ``dflash_flops_per_token``) at the
+trainer's busy throughput (its tokens over the time it was not waiting for a record) against the device's
+bf16 dense peak; None on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from layertap.models.tiny import TinySpec  # noqa: E402  (light: no torch import at module level)
+from layertap.models.train_target import TargetSpec  # noqa: E402
+
+STAGES = ("target", "eagle3", "dflash", "offline", "serve", "report")
+DRAFTERS = ("eagle3", "dflash")
+SERVE_VARIANTS = ("plain", "ngram", "eagle3", "dflash")
+OPTIONAL_VARIANTS = ("plain-v1", "eagle3-offline")
+"""``plain-v1``: plain vLLM on the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``): on CUDA, vLLM 0.25 runs
+ngram on V1 (the V2 runner has no ngram), everything else on V2. ``eagle3-offline``: the offline drafter."""
+EXIT_DEADLINE = 75
+GRACE_S = 60.0
+"""A subprocess still running this long before the deadline is stopped (SIGTERM, SIGKILL 40 s later)."""
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+"""Dense bf16 peaks by GPU name (the same table as benchmarks/train_throughput.py)."""
+
+
+# -- profiles ----------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """Every size of one run. Only the values differ between profiles; the code paths are the same."""
+
+    name: str
+    device: str
+    """Trainer and target-training device: cuda | cpu."""
+    target: TargetSpec
+    target_dtype: str
+    target_budget_s: float | None
+    """Hard cap on the target's training loop (train_target's ``time_budget_s``)."""
+    convs: int
+    """Conversations written from the stdlib corpus (seed 1; the target trained on seed 0's)."""
+    holdout: int
+    """The last N conversations: evaluation and serving prompts, never trained on."""
+    capture_max_tokens: int
+    epochs: int
+    max_inflight: int
+    shm_slot_mb: int
+    shm_slots: int
+    steps: int
+    batch: int
+    max_len: int
+    lr: dict[str, float]
+    warmup: int
+    save_every: int
+    ttt_steps: int
+    num_spec: int
+    """EAGLE-3 speculative tokens, in the periodic evaluations and in serving."""
+    block_size: int
+    """DFlash block size B; served with B-1 speculative tokens."""
+    dflash_layers: int
+    anchors: int = 64
+    """DFlash anchors per sequence (``layertap train``'s fixed value; for the FLOP count only)."""
+    ngram_k: int = 3
+    eval_every: dict[str, int]
+    """Periodic evaluation interval per drafter (0: only the final evaluation)."""
+    eval_prompts: int
+    eval_max_tokens: int
+    eval_kv_mb: int
+    engine: dict[str, Any]
+    """Capture engine kwargs (``layertap train`` ``--set engine.*``; ``layertap capture`` flags)."""
+    serve_engine: dict[str, Any]
+    serve_batches: tuple[int, ...]
+    serve_prompts: dict[int, int]
+    """Prompts decoded at each batch size (the first N held-out prompts)."""
+    serve_max_tokens: int
+    serve_repeats: int
+    estimates: dict[str, float]
+    """Seconds each stage (serve: each variant) takes on this profile's machine, for the deadline guard."""
+    memory_plan: str = ""
+
+
+H200 = Profile(
+    name="h200", device="cuda",
+    # Qwen3-1.7B-like body (24 x 2048, GQA 16/8 heads of 128) with the 2048-token stdlib tokenizer:
+    # 1.2 B parameters, up to 6.6 M training tokens (400 x 32 x 512; ~45 K tok/s expected in bf16 autocast),
+    # the loop capped at 150 s so the stage fits one device call with its data preparation.
+    target=TargetSpec(model=TinySpec(kind="qwen3", hidden_size=2048, num_layers=24, num_heads=16, num_kv_heads=8,
+                                     head_dim=128, intermediate_size=6144, vocab_size=2048),
+                      steps=400, batch_size=32, seq_len=512, lr=6e-4, warmup=40),
+    target_dtype="bfloat16", target_budget_s=150.0,
+    # 3072 fresh conversations, one pass, 384 steps of 8 records: ~550 K trained tokens per drafter.
+    convs=3072 + 64, holdout=64, capture_max_tokens=128, epochs=1, max_inflight=64, shm_slot_mb=4, shm_slots=512,
+    steps=384, batch=8, max_len=512, lr={"eagle3": 1e-3, "dflash": 6e-4}, warmup=30, save_every=96,
+    ttt_steps=4, num_spec=4, block_size=8, dflash_layers=2,
+    eval_every={"eagle3": 128, "dflash": 128}, eval_prompts=16, eval_max_tokens=64, eval_kv_mb=2048,
+    engine={"gpu_memory_utilization": 0.2, "max_model_len": 1024, "max_num_seqs": 64},
+    serve_engine={"gpu_memory_utilization": 0.4, "max_model_len": 1024, "max_num_seqs": 32},
+    serve_batches=(1, 8, 32), serve_prompts={1: 16, 8: 32, 32: 64}, serve_max_tokens=128, serve_repeats=2,
+    # Seconds on an H200 (16 cores), from the parts measured there (gpu.md: import vllm ~16 s, LLM() ~20 s eager
+    # / ~36 s compiled; one engine start per capture, three eager ones per final evaluation).
+    estimates={"target": 240, "eagle3": 280, "dflash": 270, "offline": 200, "serve": 95, "report": 15},
+    memory_plan=(
+        "One H200 (~140 GiB) holds three kinds of process during an online run. The capture engine reserves "
+        "gpu_memory_utilization 0.2 (~28 GiB): bf16 weights 2.3 GiB, CUDA graphs and activations a few GiB, "
+        "the rest KV cache, where the capture planes live too (96 KiB KV + 16 KiB planes per token: ~200 K "
+        "tokens, 3x what 64 requests of <= 1024 tokens in flight need); more KV would not capture faster. "
+        "The trainer allocates beside it what the drafter needs (weights + AdamW state ~1.3 GiB, activations "
+        "of 8 x 512-token batches). Each evaluation engine (one at a time, eager) takes its weights + a 2 GiB "
+        "KV cache (eval.kv_cache_mb), passing vLLM's start-up check with gpu_memory_utilization 0.05. None is "
+        "capped by another, and ~100 GiB stay free. Serving runs one engine at a time at 0.4."),
+)
+
+CPU_TINY = Profile(
+    name="cpu-tiny", device="cpu",
+    target=TargetSpec(),  # the CPU main job's target: cached under LAYERTAP_CACHE, trained once
+    target_dtype="float32", target_budget_s=None,
+    convs=32 + 8, holdout=8, capture_max_tokens=24, epochs=1, max_inflight=16, shm_slot_mb=4, shm_slots=32,
+    steps=6, batch=4, max_len=256, lr={"eagle3": 2e-3, "dflash": 2e-3}, warmup=2, save_every=3,
+    ttt_steps=3, num_spec=3, block_size=4, dflash_layers=2,
+    # One periodic evaluation (EAGLE-3's) is enough to prove the path here: each costs a CPU engine start.
+    eval_every={"eagle3": 3, "dflash": 0}, eval_prompts=4, eval_max_tokens=16, eval_kv_mb=64,
+    engine={},  # layertap train's CPU defaults (eager, 128 MiB KV cache, 1024 context)
+    serve_engine={"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024,
+                  "max_num_seqs": 4},
+    serve_batches=(1, 4), serve_prompts={1: 2, 4: 4}, serve_max_tokens=16, serve_repeats=1,
+    estimates={"target": 400, "eagle3": 200, "dflash": 160, "offline": 120, "serve": 60, "report": 15},
+    memory_plan="CPU: every engine sizes its KV cache with kv_cache_memory_bytes; no device memory to split.",
+)
+
+PROFILES = {p.name: p for p in (H200, CPU_TINY)}
+
+
+def apply_overrides(p: Profile, items: list[str]) -> Profile:
+    """``KEY=VALUE`` (VALUE as JSON, else a string): a Profile field, ``target.FIELD`` or ``target.model.FIELD``."""
+    for item in items:
+        key, eq, raw = item.partition("=")
+        if not eq:
+            raise SystemExit(f"--override expects KEY=VALUE, got {item!r}")
+        try:
+            val = json.loads(raw)
+        except json.JSONDecodeError:
+            val = raw
+        parts = key.split(".")
+        if parts[0] == "target" and len(parts) > 1:
+            t = p.target
+            if parts[1] == "model":
+                t = dataclasses.replace(t, model=dataclasses.replace(t.model, **{parts[2]: val}))
+            else:
+                t = dataclasses.replace(t, **{parts[1]: val})
+            p = dataclasses.replace(p, target=t)
+        elif parts[0] in {f.name for f in dataclasses.fields(Profile)} and len(parts) == 1:
+            if parts[0] == "serve_prompts":
+                val = {int(k): int(v) for k, v in val.items()}
+            if parts[0] == "serve_batches":
+                val = tuple(val)
+            p = dataclasses.replace(p, **{parts[0]: val})
+        else:
+            raise SystemExit(f"--override: unknown key {key!r}")
+    return p
+
+
+# -- small utilities ---------------------------------------------------------------------------------
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def gpu_name() -> str | None:
+    """Without creating a CUDA context in this process (it must hold no device memory)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+    return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else None
+
+
+def peak_flops(name: str | None) -> float | None:
+    return next((v * 1e12 for k, v in PEAK_BF16_TFLOPS.items() if name and k in name), None)
+
+
+class GpuSampler:
+    """nvidia-smi every ``period`` s in a thread: peak device memory and per-process peaks (processes of
+    this script's tree named by their command line). A no-op without nvidia-smi (CPU)."""
+
+    def __init__(self, period: float = 1.0):
+        self.period, self.enabled = period, shutil.which("nvidia-smi") is not None
+        self.peak_used = self.total = 0
+        self.procs: dict[int, dict[str, Any]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "GpuSampler":
+        if self.enabled:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+    def _query(self, what: str) -> list[list[str]]:
+        r = subprocess.run(["nvidia-smi", f"--query-{what}", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=10)
+        return [[x.strip() for x in line.split(",")] for line in r.stdout.splitlines() if line.strip()]
+
+    def _run(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self._stop.is_set():
+            try:
+                used, total = (int(float(x)) for x in self._query("gpu=memory.used,memory.total")[0][:2])
+                self.peak_used, self.total = max(self.peak_used, used), total
+                mine = {p.pid: p for p in me.children(recursive=True)}
+                for pid_s, mib in self._query("compute-apps=pid,used_memory"):
+                    pid, mib_i = int(pid_s), int(float(mib))
+                    rec = self.procs.setdefault(pid, {"peak_mib": 0, "role": None})
+                    rec["peak_mib"] = max(rec["peak_mib"], mib_i)
+                    if rec["role"] is None and pid in mine:
+                        rec["role"] = _role(mine[pid])
+            except Exception as e:  # a sampler must never end a stage; the report says it failed
+                self.procs.setdefault(-1, {"error": repr(e)})
+            self._stop.wait(self.period)
+
+    def summary(self) -> dict[str, Any] | None:
+        if not self.enabled:
+            return None
+        return {"device_peak_used_mib": self.peak_used, "device_total_mib": self.total,
+                "processes": {str(k): v for k, v in sorted(self.procs.items())}}
+
+
+def _role(proc: Any) -> str:
+    try:
+        cmd = " ".join(proc.cmdline())
+    except Exception:
+        return "?"
+    for needle, role in (("layertap.pipeline.evaluate", "evaluation engine (frontend)"),
+                         ("EngineCore", "vLLM engine core"), ("layertap train", "trainer (layertap train)"),
+                         ("layertap capture", "capture frontend"), ("train-offline", "offline trainer"),
+                         ("_worker serve", "serving frontend"), ("_worker target", "target trainer")):
+        if needle in cmd:
+            return role
+    return cmd[:80]
+
+
+# -- the run's context: time, logs, subprocesses -------------------------------------------------------
+NOISE = re.compile(r"^\s*$|^\((EngineCore|Worker|VllmWorker|APIServer|MainProcess)[^)]*\)|^(INFO|DEBUG|WARNING)\b|"
+                   r"it/s\]|Loading safetensors|Writing model shards|^\[rank|^\[W\d|^Triton|Warning:|^\s+(if|wrapper) |"
+                   r"^\||^!\[|^Idle fraction|^#|^target `|(?<!100)%\|")
+
+
+class Deferred(Exception):
+    """Not run in this invocation (its estimate does not fit in the time left, or it waits for another
+    stage); a later invocation runs it. Later stages that fit still run."""
+
+
+class DeadlineReached(Exception):
+    """A running stage was stopped at the deadline: nothing else starts; the next invocation resumes it."""
+
+
+@dataclass
+class Run:
+    profile: Profile
+    work: Path
+    out: Path
+    deadline_s: float | None
+    overrides: list[str] = field(default_factory=list)
+    t0: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        for d in ("logs", "results", "report", "data"):
+            (self.work / d).mkdir(parents=True, exist_ok=True)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.work / "gpu_loop.log", "a", encoding="utf-8")  # noqa: SIM115 - the run's log
+        self.state: dict[str, Any] = read_json(self.work / "state.json") or {"calls": 0, "steps": {}}
+        self.state["calls"] += 1
+        write_json(self.work / "state.json", self.state)
+
+    def mark(self, name: str, status: str, wall_s: float, error: str | None = None) -> None:
+        """Record a stage's (or serve variant's) outcome in WORK/state.json, over all invocations."""
+        st = self.state["steps"].setdefault(name, {"wall_s": 0.0, "attempts": 0})
+        st.update(status=status, error=error, wall_s=round(st["wall_s"] + wall_s, 1), attempts=st["attempts"] + 1)
+        write_json(self.work / "state.json", self.state)
+
+    @property
+    def failures(self) -> dict[str, str]:
+        return {k: v["error"] for k, v in self.state["steps"].items() if v["status"] == "failed"}
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def left(self) -> float:
+        return float("inf") if self.deadline_s is None else self.deadline_s - self.elapsed()
+
+    def log(self, msg: str) -> None:
+        line = f"[gpu_loop {self.elapsed():6.0f}s] {msg}"
+        print(line, flush=True)
+        self._log.write(line + "\n")
+        self._log.flush()
+
+    def need(self, what: str, seconds: float) -> None:
+        """Refuse to start ``what`` unless its estimate fits before the point where ``sh`` would stop it."""
+        usable = self.left() - GRACE_S
+        if seconds > usable:
+            raise Deferred(f"{what} needs ~{seconds:.0f}s, {max(usable, 0):.0f}s usable before the deadline")
+
+    def result(self, name: str) -> Any:
+        return read_json(self.work / "results" / f"{name}.json")
+
+    def save_result(self, name: str, obj: Any) -> None:
+        write_json(self.work / "results" / f"{name}.json", obj)
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        # Engines forked after multi-threaded torch CPU work deadlock in OpenMP (README); the evaluation
+        # children that `layertap train` starts inherit this too.
+        env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        if self.profile.device == "cuda":
+            env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer is not in the device bundle
+        return {**env, **(extra or {})}
+
+    def sh(self, name: str, cmd: list[str], *, env: dict[str, str] | None = None, grace: float = GRACE_S) -> tuple[int, float]:
+        """Run ``cmd`` in its own process group, its output to logs/NAME.log (the useful lines echoed).
+        ``grace`` s before the deadline the group gets SIGTERM (SIGKILL 40 s later), so even a stopped
+        stage ends inside the deadline. Returns (exit status, wall seconds); 124 when the deadline stopped it."""
+        logp = self.work / "logs" / f"{name}.log"
+        self.log(f"{name}: {' '.join(cmd[1:] if cmd[0] == sys.executable else cmd)}")
+        t0 = time.monotonic()
+        with open(logp, "a", encoding="utf-8") as logf:
+            logf.write(f"\n==== {datetime.now(timezone.utc).isoformat()} {' '.join(cmd)}\n")
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                    env=env or self.env(), cwd=REPO, start_new_session=True, errors="replace")
+            pump = threading.Thread(target=self._pump, args=(proc, logf), daemon=True)
+            pump.start()
+            timeout = max(self.left() - grace, 1.0) if self.deadline_s is not None else None
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.log(f"{name}: deadline: SIGTERM to its process group")
+                rc = _stop_group(proc)
+                rc = 124 if rc in (130, -signal.SIGTERM, -signal.SIGKILL) else rc
+            pump.join(10)
+        wall = time.monotonic() - t0
+        self.log(f"{name}: exit {rc} after {wall:.0f}s")
+        if rc not in (0, 124):
+            tail = logp.read_text(errors="replace").splitlines()[-40:]
+            self.log(f"{name}: last lines of {logp}:\n" + "\n".join("    " + t for t in tail))
+        return rc, wall
+
+    def _pump(self, proc: subprocess.Popen, logf: Any) -> None:
+        echoed = 0
+        for line in proc.stdout:  # type: ignore[union-attr]
+            logf.write(line)
+            text = line.rstrip("\n").split("\r")[-1]
+            if echoed < 150 and not NOISE.search(text):
+                echoed += 1
+                print(f"    | {text[:200]}", flush=True)
+        logf.flush()
+
+
+def _stop_group(proc: subprocess.Popen) -> int:
+    """SIGTERM the process group this script started for ``proc``, SIGKILL it if still there after 40 s."""
+    pgid = proc.pid  # start_new_session: the child leads its own group
+    for sig, wait in ((signal.SIGTERM, 40), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            return proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.wait()
+
+
+# -- data --------------------------------------------------------------------------------------------
+def ensure_data(run: Run, target: str) -> dict[str, Any]:
+    """Conversations (JSONL, for ``layertap train``), the offline run's prompts (token ids, the same
+    training conversations) and the held-out serving prompts; written once into WORK/data."""
+    d = run.work / "data"
+    meta = read_json(d / "data.json")
+    if meta is not None:
+        return meta
+    from transformers import AutoTokenizer
+
+    from layertap.models.train_target import write_conversations
+    from layertap.train.data import prompt_of
+
+    p = run.profile
+    convs = write_conversations(d / "convs.jsonl", p.convs, seed=1)
+    lines = [json.loads(x) for x in convs.read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(target)
+
+    def ids(msgs: list[dict[str, str]]) -> list[int]:
+        out = tok.apply_chat_template(prompt_of(msgs), tokenize=True, add_generation_prompt=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    train, held = lines[: len(lines) - p.holdout], lines[len(lines) - p.holdout :]
+    (d / "train_prompts.jsonl").write_text("".join(json.dumps({"token_ids": ids(o["messages"])}) + "\n" for o in train))
+    write_json(d / "serve_prompts.json", [ids(o["messages"]) for o in held])
+    meta = {"convs": str(convs), "train_prompts": str(d / "train_prompts.jsonl"),
+            "serve_prompts": str(d / "serve_prompts.json"), "num_train": len(train), "num_holdout": len(held)}
+    write_json(d / "data.json", meta)
+    return meta
+
+
+def capture_layers(target: str) -> list[int]:
+    """What ``layertap train`` captures for either drafter by default: its aux ids plus the last state."""
+    from layertap.pipeline.build import default_aux_layers
+
+    n = int(json.loads((Path(target) / "config.json").read_text())["num_hidden_layers"])
+    return sorted(set(default_aux_layers(n)) | {n})
+
+
+def target_path(run: Run) -> str:
+    res = run.result("target")
+    if res is None:
+        raise StageFailed("the target stage has not run yet (include target in --stages)")
+    return res["path"]
+
+
+# -- stage: target -----------------------------------------------------------------------------------
+def stage_target(run: Run) -> None:
+    res_p = run.work / "results" / "target.worker.json"
+    with GpuSampler() as gpu:
+        rc, wall = run.sh("target", [sys.executable, __file__, "_worker", "target", run.profile.name,
+                                     json.dumps(run.overrides), str(res_p)])
+    if rc == 124:
+        raise DeadlineReached("target training was stopped at the deadline; it starts again next time")
+    if rc != 0:
+        raise StageFailed(f"target training exited {rc}", rc)
+    res = read_json(res_p)
+    res["wall_s"], res["memory"] = round(wall, 1), gpu.summary()
+    run.save_result("target", res)
+    how = "cached" if res["cached"] else f"trained in {res['train_s']}s, {res['train_tokens_per_s']} tok/s"
+    run.log(f"target: {res['path']} final loss {res['final_loss']:.3f} after {res['steps_done']} steps ({how})")
+
+
+def worker_target(profile: str, overrides: str, result: str) -> int:
+    import torch
+    from safetensors import safe_open
+
+    from layertap.models.tiny import default_cache_dir
+    from layertap.models.train_target import _spec_key, trained_target
+
+    p = apply_overrides(PROFILES[profile], json.loads(overrides))
+    if p.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"profile {p.name} trains on CUDA, but torch sees no GPU")
+    cached_dir = default_cache_dir() / f"target-qwen3-{_spec_key(p.target)}"
+    cached = (cached_dir / "layertap_target.json").exists()
+    t0 = time.monotonic()
+    path = trained_target(p.target, device=p.device, dtype=p.target_dtype, time_budget_s=p.target_budget_s,
+                          log_every=25)
+    stamp = json.loads((path / "layertap_target.json").read_text())
+    shapes = {}
+    for file in sorted(path.glob("*.safetensors")):  # one file, or shards
+        with safe_open(str(file), "pt") as f:
+            shapes.update({k: f.get_slice(k).get_shape() for k in f.keys()})
+    numel = {k: int(torch.tensor(s).prod()) for k, s in shapes.items()}
+    spec = dataclasses.asdict(p.target)
+    steps_done = stamp.get("steps_done", stamp["steps"])
+    train_s = stamp.get("train_s")
+    tokens = steps_done * p.target.batch_size * p.target.seq_len
+    m = p.target.model
+    body = sum(v for k, v in numel.items() if "embed_tokens" not in k)  # layers + final norm + lm_head
+    # 6 N per token (forward + backward) plus causal attention: 6 x layers x seq x q-width per token.
+    flops_tok = 6 * body + 6 * m.num_layers * p.target.seq_len * m.num_heads * m.head_dim
+    tok_s = tokens / train_s if train_s else None
+    peak = peak_flops(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    write_json(Path(result), {
+        "path": str(path), "cached": cached, "spec": spec, "dtype": stamp.get("dtype", "float32"),
+        "device": stamp.get("device", "cpu"), "final_loss": stamp["final_loss"], "steps": stamp["steps"],
+        "steps_done": steps_done, "train_s": train_s, "losses": stamp.get("losses"),
+        "parameters": sum(numel.values()), "parameters_non_embedding": body,
+        "train_tokens": tokens, "train_tokens_per_s": round(tok_s, 1) if tok_s else None,
+        "train_mfu": round(flops_tok * tok_s / peak, 4) if tok_s and peak else None,
+        "call_s": round(time.monotonic() - t0, 1)})
+    return 0
+
+
+# -- stages: eagle3, dflash (online) ---------------------------------------------------------------
+class StageFailed(RuntimeError):
+    def __init__(self, msg: str, rc: int = 1):
+        super().__init__(msg)
+        self.rc = rc
+
+
+def _sets(d: dict[str, Any]) -> list[str]:
+    out = []
+    for k, v in d.items():
+        out += ["--set", f"{k}={str(v).lower() if isinstance(v, bool) else v}"]
+    return out
+
+
+def train_sets(p: Profile, kind: str) -> dict[str, Any]:
+    s: dict[str, Any] = {
+        "capture.transport": "shm", "capture.regenerate": True, "capture.max_tokens": p.capture_max_tokens,
+        "capture.epochs": p.epochs, "capture.eval_holdout": p.holdout, "capture.max_inflight": p.max_inflight,
+        "capture.shm_slot_mb": p.shm_slot_mb, "capture.shm_slots": p.shm_slots,
+        "train.max_steps": p.steps, "train.batch_size": p.batch, "train.lr": p.lr[kind],
+        "train.warmup_steps": p.warmup, "train.max_len": p.max_len, "train.save_every": p.save_every,
+        "train.log_every": max(1, p.steps // 10), "train.device": p.device, "train.ttt_steps": p.ttt_steps,
+        "train.block_size": p.block_size, "train.dflash_layers": p.dflash_layers,
+        "eval.every": p.eval_every[kind], "eval.num_prompts": p.eval_prompts, "eval.max_tokens": p.eval_max_tokens,
+        "eval.num_spec": p.num_spec, "eval.ngram_k": p.ngram_k, "eval.kv_cache_mb": p.eval_kv_mb,
+    }
+    s.update({f"engine.{k}": v for k, v in p.engine.items()})
+    return s
+
+
+def shm_slots_that_fit(run: Run) -> int:
+    """The profile's pool, shrunk (loudly) when /dev/shm has less room; the Tap bounds in-flight requests
+    by the pool's free capacity, so a smaller pool only slows capture."""
+    p = run.profile
+    free = shutil.disk_usage("/dev/shm").free if Path("/dev/shm").exists() else 0
+    fit = int(0.6 * free) // (p.shm_slot_mb << 20)
+    if fit >= p.shm_slots:
+        return p.shm_slots
+    if fit < 8:
+        raise StageFailed(f"/dev/shm has {free >> 20} MiB free; the shm pool needs {p.shm_slots * p.shm_slot_mb} "
+                          "MiB (mount -o remount,size=32G /dev/shm)")
+    run.log(f"/dev/shm has {free >> 20} MiB free: shm pool shrunk to {fit} x {p.shm_slot_mb} MiB")
+    return fit
+
+
+def stage_online(run: Run, kind: str) -> None:
+    p, target = run.profile, target_path(run)
+    data = ensure_data(run, target)
+    out = run.work / kind
+    resume = (out / "run_config.json").exists()
+    if (out / "report.json").exists():  # finished in an earlier call that ended before saving its result
+        walls = read_json(out / "gpu_loop_partial.json") or {"wall_s": 0.0, "calls": 0}
+        run.save_result(kind, online_result(run, kind, out, walls, None))
+        return
+    if resume:
+        cmd = [sys.executable, "-m", "layertap", "train", "--out", str(out), "--resume"]
+        run.log(f"{kind}: resuming the interrupted run in {out}")
+    else:
+        sets = {**train_sets(p, kind), "capture.shm_slots": shm_slots_that_fit(run)}
+        cmd = [sys.executable, "-m", "layertap", "train", "--target", target, "--data", data["convs"],
+               "--drafter", kind, "--out", str(out), *_sets(sets)]
+    with GpuSampler() as gpu:
+        rc, wall = run.sh(kind, cmd)
+    prev = read_json(out / "gpu_loop_partial.json") or {"wall_s": 0.0, "calls": 0}
+    prev = {"wall_s": prev["wall_s"] + wall, "calls": prev["calls"] + 1}
+    write_json(out / "gpu_loop_partial.json", prev)
+    if rc == 124:
+        raise DeadlineReached(f"{kind} was stopped at the deadline; it resumes next time")
+    if rc != 0:
+        raise StageFailed(f"layertap train --drafter {kind} exited {rc}", rc)
+    run.save_result(kind, online_result(run, kind, out, prev, gpu.summary()))
+    r = run.result(kind)
+    run.log(f"{kind}: {r['steps']} steps, final loss {r['final_loss']:.4f}, AL in training eval "
+            f"{r['train_eval_acceptance_length']}, idle {r['trainer_idle_fraction']}, MFU {r['mfu']}")
+
+
+def online_result(run: Run, kind: str, out: Path, walls: dict[str, Any], memory: Any) -> dict[str, Any]:
+    p = run.profile
+    rep = json.loads((out / "report.json").read_text())
+    hist = read_json(out / "history.json") or []
+    rates = rep["rates"]
+    final = {r["name"]: r for r in (rep.get("acceptance") or {}).get("results", [])}
+    # Every evaluation the run made, also those of an earlier, interrupted part (their result files stay).
+    evals = [*rep.get("acceptance_curve", []), *(read_json(f) for f in sorted((out / "evals").glob("result-*.json")))]
+    curve = sorted({(int(e["step"]), float(r["mean_acceptance_length"]))
+                    for e in evals for r in e.get("results", []) if r["name"] == kind})
+    cons = float(rates["consumer_wall_s"])
+    tokens = float(rates["consumer_tokens_per_s"]) * cons  # this invocation's records (a resumed run: since resume)
+    busy = cons * (1.0 - float(rates["trainer_idle_fraction"]))
+    export = out / "exports" / "final"
+    conf = json.loads((export / "config.json").read_text())
+    mean_len = rates["consumer_tokens_per_s"] * cons / max(rates["consumer_records"], 1)
+    fpt = (eagle3_flops_per_token(conf, p.ttt_steps, mean_len) if kind == "eagle3"
+           else dflash_flops_per_token(conf, p.anchors, mean_len))
+    busy_tok_s = tokens / busy if busy > 0 else None
+    peak = peak_flops(gpu_name()) if p.device == "cuda" else None
+    return {
+        "kind": kind, "out": str(out), "export": str(export), "wall_s": round(walls["wall_s"], 1),
+        "device_calls": walls["calls"], "resumed": walls["calls"] > 1, "report_wall_s": rep["wall_s"],
+        "rates_note": "rates cover only the last part of a resumed run" if walls["calls"] > 1 else None,
+        "steps": rep["steps"],
+        "inputs_trained": rep["inputs_trained"], "layers": rep["layers"], "transport": rep["transport"],
+        "final_loss": rep.get("final_loss"), "loss_curve": [[m["step"], m["loss"]] for m in hist],
+        "acc_curve": [[m["step"], m["acc"]] for m in hist],
+        "train_eval_acceptance_length": final.get(kind, {}).get("mean_acceptance_length"),
+        "train_eval_ngram_acceptance_length": final.get("ngram", {}).get("mean_acceptance_length"),
+        "train_eval_outputs_match_plain": final.get(kind, {}).get("outputs_match_plain"),
+        "acceptance_curve": [list(x) for x in curve], "evals_skipped": rep.get("evals_skipped", []),
+        "rates": rates, "trainer_idle_fraction": rates["trainer_idle_fraction"],
+        "trainer_tokens_per_s": round(tokens / cons, 1) if cons > 0 else None,
+        "trainer_busy_tokens_per_s": round(busy_tok_s, 1) if busy_tok_s else None,
+        "records_per_s": rates["producer_records_per_s"], "consumer_records_per_s": rates["consumer_records_per_s"],
+        "flops_per_token": fpt, "mfu": round(fpt * busy_tok_s / peak, 4) if busy_tok_s and peak else None,
+        "memory": memory,
+    }
+
+
+def _dims(conf: dict[str, Any]) -> tuple[int, int, int, int, int]:
+    h, heads = int(conf["hidden_size"]), int(conf["num_attention_heads"])
+    d = int(conf.get("head_dim") or h // heads)
+    return h, heads * d, int(conf["num_key_value_heads"]) * d, int(conf["intermediate_size"]), int(conf["vocab_size"])
+
+
+def eagle3_flops_per_token(conf: dict[str, Any], ttt: int, seq: float) -> float:
+    """Model FLOPs per trained token (as benchmarks/train_throughput.py counts them): per unroll step
+    2 x (qkv over [embed; g] (2H wide) + o + MLP + draft lm_head) + causal attention 2 x 2 x (T/2) x q;
+    fc once; x3 for forward + backward; the frozen target head's labels 2 x H x V, forward only."""
+    h, q, kv, inter, vocab = _dims(conf)
+    n_aux = len(conf.get("eagle_aux_hidden_state_layer_ids") or [0, 0, 0])
+    layer = 2 * h * (q + 2 * kv) + q * h + 3 * h * inter
+    per_step = 2 * (layer + h * int(conf["draft_vocab_size"])) + 2 * 2 * (seq / 2) * q
+    return float(3 * (ttt * per_step + 2 * n_aux * h * h) + 2 * h * vocab)
+
+
+def dflash_flops_per_token(conf: dict[str, Any], anchors: int, seq: float) -> float:
+    """Model FLOPs per record token: fc and every layer's context K/V over all T tokens; A anchors x B
+    block tokens through the layers (dense attention over T context + B block keys, masked) and the
+    frozen target lm_head; x3 for forward + backward (the lm_head x2: input gradients only). A is taken
+    as min(anchors, T/2) (about the answer's share of a record): an approximation, stated as such."""
+    h, q, kv, inter, vocab = _dims(conf)
+    layers = int(conf["num_hidden_layers"])
+    bs = int(conf.get("block_size", 8))
+    n_ctx = len((conf.get("dflash_config") or {}).get("target_layer_ids") or conf.get("aux_hidden_state_layer_ids"))
+    a = min(anchors, seq / 2)
+    per_block_tok = layers * (2 * (h * q + 2 * h * kv + q * h + 3 * h * inter) + 4 * q * (seq + bs))
+    per_record = (2 * n_ctx * h * h * seq + layers * 2 * h * 2 * kv * seq + a * bs * per_block_tok) * 3 \
+        + a * bs * 2 * h * vocab * 2
+    return float(per_record / max(seq, 1.0))
+
+
+# -- stage: offline ----------------------------------------------------------------------------------
+def engine_flags(d: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for k, v in d.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            out.append(flag)
+        elif v is not False:
+            out += [flag, str(v)]
+    return out
+
+
+def check_disk(run: Run, where: Path, data: dict[str, Any], target: str) -> None:
+    """The dataset holds every captured row: tokens x planes x hidden x 2 bytes (bf16/fp16 engines; fp32
+    twice that). Fail before the engine starts when the disk cannot take it."""
+    c = json.loads((Path(target) / "config.json").read_text())
+    prompts = [json.loads(x)["token_ids"] for x in Path(data["train_prompts"]).read_text().splitlines()]
+    rows = sum(len(x) for x in prompts) + len(prompts) * run.profile.capture_max_tokens
+    est = rows * len(capture_layers(target)) * int(c["hidden_size"]) * 4  # fp32 bound; bf16 halves it
+    free = shutil.disk_usage(where).free
+    run.log(f"offline: the dataset needs <= {est / 2**30:.1f} GiB ({est / 2**31:.1f} in bf16); {free / 2**30:.1f} GiB free")
+    if free < 0.55 * est:
+        raise StageFailed(f"{where} has {free / 2**30:.1f} GiB free; the offline dataset needs about "
+                          f"{est / 2**31:.1f} GiB (bf16)")
+
+
+def stage_offline(run: Run) -> None:
+    p, target = run.profile, target_path(run)
+    data = ensure_data(run, target)
+    base = run.work / "offline"
+    base.mkdir(exist_ok=True)
+    ds, tr = base / "dataset", base / "train"
+    walls = read_json(base / "walls.json") or {"capture_s": 0.0, "train_s": 0.0, "calls": 0}
+    layers = ",".join(str(i) for i in capture_layers(target))
+    eng = dict(p.engine) if p.device == "cuda" else {"enforce_eager": True, "max_model_len": 1024,
+                                                      "kv_cache_memory_bytes": 128 << 20}
+    if not (base / "capture.done").exists():
+        check_disk(run, ds.parent, data, target)
+        cmd = [sys.executable, "-m", "layertap", "capture", "--model", target, "--data", data["train_prompts"],
+               "--layers", layers, "--out", str(ds), "--mode", "generate", "--max-tokens", str(p.capture_max_tokens),
+               "--max-inflight", str(p.max_inflight), *engine_flags(eng)]
+        with GpuSampler() as gpu:
+            rc, wall = run.sh("offline-capture", cmd)
+        walls["capture_s"] += wall
+        walls["calls"] += 1
+        write_json(base / "walls.json", walls)
+        if rc == 124:
+            raise DeadlineReached("offline capture was stopped at the deadline; it resumes next time")
+        rejected = len((ds / "rejected.jsonl").read_text().splitlines()) if (ds / "rejected.jsonl").exists() else 0
+        if rc == 1 and rejected:  # capture exits 1 when it refused inputs by name (too long); the online run
+            run.log(f"offline capture: {rejected} inputs refused as too long (the online run counts them too)")
+        elif rc != 0:
+            raise StageFailed(f"layertap capture exited {rc}", rc)
+        write_json(base / "capture.done", {"memory": gpu.summary(), "rejected": rejected})
+    run.need("offline training", 0.4 * p.estimates["offline"])
+    cmd = [sys.executable, "-m", "layertap", "train-offline", str(ds), "--kind", "eagle3", "--out", str(tr),
+           "--target", target, "--epochs", str(p.epochs), "--max-steps", str(p.steps), "--batch-size", str(p.batch),
+           "--lr", str(p.lr["eagle3"]), "--warmup", str(p.warmup), "--max-len", str(p.max_len),
+           "--ttt-steps", str(p.ttt_steps), "--save-every", str(p.save_every),
+           "--log-every", str(max(1, p.steps // 10)), "--no-tensorboard", "--device", p.device,
+           *(["--resume"] if (tr / "checkpoint.pt").exists() else [])]
+    rc, wall = run.sh("offline-train", cmd)
+    walls["train_s"] += wall
+    write_json(base / "walls.json", walls)
+    if rc == 124:
+        raise DeadlineReached("offline training was stopped at the deadline; it resumes next time")
+    if rc != 0:
+        raise StageFailed(f"layertap train-offline exited {rc}", rc)
+    rc, _ = run.sh("offline-export", [sys.executable, "-m", "layertap", "export", str(tr / "checkpoint.pt"),
+                                      str(base / "export")])
+    if rc != 0:
+        raise StageFailed(f"layertap export exited {rc}", rc)
+    hist = read_json(tr / "history.json") or []
+    from layertap.transport.file import load_records
+
+    recs = load_records(ds)
+    n_rec = len(recs)
+    res = {
+        "capture_wall_s": round(walls["capture_s"], 1), "train_wall_s": round(walls["train_s"], 1),
+        "total_wall_s": round(walls["capture_s"] + walls["train_s"], 1), "dataset_bytes": dir_bytes(ds),
+        "dataset_records": n_rec, "dataset_dir": str(ds), "layers": [int(x) for x in layers.split(",")],
+        "store_dtype": str(recs[0].hidden_states.dtype).removeprefix("torch.") if n_rec else None,
+        "steps": hist[-1]["step"] if hist else 0,
+        "final_loss": hist[-1]["loss"] if hist else None, "loss_curve": [[m["step"], m["loss"]] for m in hist],
+        "export": str(base / "export"), "capture_memory": (read_json(base / "capture.done") or {}).get("memory"),
+        "capture_rejected": (read_json(base / "capture.done") or {}).get("rejected", 0),
+    }
+    run.save_result("offline", res)
+    run.log(f"offline: capture {res['capture_wall_s']}s ({n_rec} records, {res['dataset_bytes'] / 2**20:.1f} MiB), "
+            f"train {res['train_wall_s']}s, final loss {res['final_loss']}")
+
+
+# -- stage: serve ------------------------------------------------------------------------------------
+def serve_spec(run: Run, variant: str) -> tuple[dict[str, Any] | None, dict[str, str], str | None]:
+    """(speculative_config, extra env, why it cannot run) of a serving variant."""
+    from layertap.drafters.export import speculative_config
+
+    p = run.profile
+    if variant in ("plain", "plain-v1"):
+        return None, ({"VLLM_USE_V2_MODEL_RUNNER": "0"} if variant == "plain-v1" else {}), None
+    if variant == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": p.ngram_k, "prompt_lookup_max": 4,
+                "prompt_lookup_min": 1}, {}, None
+    src = {"eagle3": run.work / "eagle3/exports/final", "dflash": run.work / "dflash/exports/final",
+           "eagle3-offline": run.work / "offline/export"}[variant]
+    if not (src / "config.json").exists():
+        return None, {}, f"no exported drafter at {src} (its stage has not completed)"
+    kind = json.loads((src / "config.json").read_text())["layertap"]["kind"]
+    return speculative_config(src, p.num_spec if kind == "eagle3" else None), {}, None
+
+
+def stage_serve(run: Run, variants: tuple[str, ...]) -> None:
+    """One subprocess per variant; a variant's result (or failure) is kept, so a later call runs only the
+    rest. A drafter variant whose export does not exist yet waits (the stage stays open); a failed one is
+    not retried (delete WORK/serve/VARIANT.failed to retry it)."""
+    p, target = run.profile, target_path(run)
+    data = ensure_data(run, target)
+    d = run.work / "serve"
+    d.mkdir(exist_ok=True)
+    waiting, source = [], {"eagle3": "eagle3", "dflash": "dflash", "eagle3-offline": "offline"}
+    for v in variants:
+        res_p, bad_p = d / f"{v}.json", d / f"{v}.failed"
+        if res_p.exists() or bad_p.exists():
+            run.log(f"serve {v}: {'done' if res_p.exists() else 'FAILED'} earlier, skipped")
+            continue
+        spec, env, why = serve_spec(run, v)
+        if why and run.state["steps"].get(source.get(v, ""), {}).get("status") == "failed":
+            run.log(f"serve {v}: left out: its drafter's stage failed ({why})")
+            continue
+        if why:
+            run.log(f"serve {v}: waits: {why}")
+            waiting.append(v)
+            continue
+        run.need(f"serve {v}", p.estimates["serve"])
+        job = {"variant": v, "target": target, "spec": spec, "engine": p.serve_engine,
+               "prompts": json.loads(Path(data["serve_prompts"]).read_text()),
+               "batch_sizes": list(p.serve_batches), "prompts_per_batch": {str(k): n for k, n in p.serve_prompts.items()},
+               "max_tokens": p.serve_max_tokens, "repeats": p.serve_repeats}
+        write_json(d / f"{v}.job.json", job)
+        rc, wall = run.sh(f"serve-{v}", [sys.executable, __file__, "_worker", "serve", str(d / f"{v}.job.json"),
+                                         str(res_p)], env=run.env(env))
+        if rc == 124:
+            raise DeadlineReached(f"serve {v} was stopped at the deadline; it runs again next time")
+        if rc != 0 or not res_p.exists():
+            write_json(bad_p, {"exit": rc, "log": str(run.work / "logs" / f"serve-{v}.log")})
+            run.mark(f"serve-{v}", "failed", wall, f"exit {rc}; see logs/serve-{v}.log")
+            continue
+        run.mark(f"serve-{v}", "done", wall)
+        r = json.loads(res_p.read_text())
+        run.log(f"serve {v}: " + ", ".join(f"b{b} {x['output_tokens_per_s']:.0f} tok/s" for b, x in r["batches"].items())
+                + (f", AL {r['acceptance_length']:.3f}" if r.get("acceptance_length") else "") + f" ({wall:.0f}s)")
+    if not (d / "plain.json").exists():
+        raise StageFailed("serve: the plain baseline did not run")
+    if waiting:
+        raise Deferred(f"serve: {', '.join(waiting)} wait for their drafters' stages")
+    run.save_result("serve", serve_summary(run, variants))
+    failed = [v for v in variants if (d / f"{v}.failed").exists()]
+    if failed:
+        raise StageFailed(f"serve: {', '.join(failed)} failed (logs/serve-VARIANT.log)")
+
+
+def worker_serve(job_path: str, result_path: str) -> int:
+    import gc
+
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    from layertap.pipeline.evaluate import timed_decode
+
+    job = json.loads(Path(job_path).read_text())
+    kw = {**job["engine"], "disable_log_stats": False}
+    if job["spec"] is not None:
+        kw["speculative_config"] = job["spec"]
+    t0 = time.monotonic()
+    llm = LLM(model=job["target"], **kw)
+    start_s = time.monotonic() - t0
+    cfg = getattr(llm.llm_engine, "vllm_config", None)
+    v2 = getattr(cfg, "use_v2_model_runner", None)
+    prompts, spec = job["prompts"], job["spec"] is not None
+    bmax = max(job["batch_sizes"])
+    # Warm-up: every batch shape once (CUDA graphs are captured at start-up; first calls still pay for lazy
+    # initialisation), none of it timed or counted (timed_decode snapshots the counters itself).
+    llm.generate([{"prompt_token_ids": x} for x in prompts[:bmax]],
+                 SamplingParams(temperature=0.0, max_tokens=min(16, job["max_tokens"])), use_tqdm=False)
+    res: dict[str, Any] = {"variant": job["variant"], "vllm_version": vllm.__version__, "engine_start_s": round(start_s, 1),
+                           "model_runner": None if v2 is None else ("V2" if v2 else "V1"), "spec": job["spec"],
+                           "engine": job["engine"], "batches": {}}
+    for b in job["batch_sizes"]:
+        n = int(job["prompts_per_batch"][str(b)])
+        res["batches"][str(b)] = timed_decode(llm, prompts[:n], batch_size=b, max_tokens=job["max_tokens"],
+                                              repeats=job["repeats"], speculative=spec)
+    if spec:
+        acc = [x["acceptance"] for x in res["batches"].values()]
+        drafts, accepted = sum(a["drafts"] for a in acc), sum(a["accepted"] for a in acc)
+        k = max(len(a["per_pos"]) for a in acc)
+        res["acceptance_length"] = 1.0 + accepted / drafts
+        res["per_pos"] = [sum(a["per_pos"][i] * a["drafts"] for a in acc if i < len(a["per_pos"])) / drafts
+                          for i in range(k)]
+        res["drafts"], res["accepted"] = drafts, accepted
+    write_json(Path(result_path), res)
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # the process exits next; vLLM's own atexit stops the engine too
+        pass
+    del llm
+    gc.collect()
+    return 0
+
+
+def serve_summary(run: Run, variants: tuple[str, ...]) -> dict[str, Any]:
+    d = run.work / "serve"
+    res = {v: json.loads((d / f"{v}.json").read_text()) for v in variants if (d / f"{v}.json").exists()}
+    plain = res["plain"]["batches"]
+    out: dict[str, Any] = {"batch_sizes": list(run.profile.serve_batches), "variants": {}}
+    for v, r in res.items():
+        b = r["batches"]
+        tok_s = {k: x["output_tokens_per_s"] for k, x in b.items()}
+        per_rep = {k: [n / s for n, s in zip(x["output_tokens"], x["seconds"])] for k, x in b.items()}
+        plain_rep = {k: [n / s for n, s in zip(x["output_tokens"], x["seconds"])] for k, x in plain.items()}
+        eq = {k: sum(o == q for o, q in zip(x["outputs"], plain[k]["outputs"])) / max(len(x["outputs"]), 1)
+              for k, x in b.items()}
+        out["variants"][v] = {
+            "model_runner": r["model_runner"], "engine_start_s": r["engine_start_s"], "vllm_version": r["vllm_version"],
+            "output_tokens_per_s": tok_s, "output_tokens_per_s_by_repeat": per_rep,
+            "speedup": {k: tok_s[k] / plain[k]["output_tokens_per_s"] for k in tok_s},
+            "speedup_range": {k: [min(per_rep[k]) / max(plain_rep[k]), max(per_rep[k]) / min(plain_rep[k])]
+                              for k in per_rep},
+            "outputs_equal_plain": eq,
+            "output_tokens": {k: x["output_tokens"][0] for k, x in b.items()},
+            "acceptance_length": r.get("acceptance_length"), "per_position": r.get("per_pos"),
+            "acceptance_length_by_batch": {k: x["acceptance"]["mean_acceptance_length"] for k, x in b.items()
+                                           if "acceptance" in x},
+            "num_speculative_tokens": (r["spec"] or {}).get("num_speculative_tokens"),
+        }
+    n1 = str(min(run.profile.serve_batches))
+    out["plain_batch_invariance"] = {  # plain's own outputs at batch b vs batch 1 (bf16 batch numerics)
+        k: sum(o == q for o, q in zip(x["outputs"], plain[n1]["outputs"])) / max(min(len(x["outputs"]),
+                                                                                   len(plain[n1]["outputs"])), 1)
+        for k, x in plain.items()}
+    return out
+
+
+# -- stage: report -----------------------------------------------------------------------------------
+def summary(run: Run, variants: tuple[str, ...]) -> dict[str, Any]:
+    p = run.profile
+    tgt, off, srv = run.result("target"), run.result("offline"), run.result("serve")
+    if srv is None and (run.work / "serve" / "plain.json").exists():  # partial: the variants so far
+        srv = serve_summary(run, variants)
+    sv = (srv or {}).get("variants", {})
+    keys = [str(b) for b in p.serve_batches]
+
+    def served(v: str) -> dict[str, Any]:
+        s = sv.get(v, {})
+        return {"acceptance_length": s.get("acceptance_length"), "speedup": s.get("speedup", {}),
+                "output_tokens_per_s": s.get("output_tokens_per_s", {}), "speedup_range": s.get("speedup_range", {}),
+                "outputs_equal_plain": s.get("outputs_equal_plain", {}),
+                "acceptance_length_by_batch": s.get("acceptance_length_by_batch", {}),
+                "per_position": s.get("per_position"), "num_speculative_tokens": s.get("num_speculative_tokens"),
+                "model_runner": s.get("model_runner"), "engine_start_s": s.get("engine_start_s")}
+
+    j: dict[str, Any] = {
+        "profile": p.name, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "complete": all(run.result(s) is not None for s in STAGES[:-1]),
+        "stages_done": [s for s in STAGES[:-1] if run.result(s) is not None], "failures": run.failures,
+        "stage_walls_s": {k: v["wall_s"] for k, v in run.state["steps"].items()}, "invocations": run.state["calls"],
+        "overrides": run.overrides,
+        "device": {"name": gpu_name() or "cpu", "trainer_device": p.device,
+                   "vllm": next((x["vllm_version"] for x in sv.values()), None)},
+        "batch_sizes": keys, "target": tgt,
+        "plain": served("plain"), "ngram": served("ngram"),
+        "memory": {"plan": p.memory_plan, "capture_engine": p.engine, "serve_engine": p.serve_engine,
+                   "eval_kv_cache_mb": p.eval_kv_mb},
+        "serve_settings": {"prompts_per_batch": {str(k): v for k, v in p.serve_prompts.items()},
+                           "max_tokens": p.serve_max_tokens, "repeats": p.serve_repeats, "greedy": True},
+        "plain_batch_invariance": (srv or {}).get("plain_batch_invariance"),
+    }
+    for kind in DRAFTERS:
+        tr = run.result(kind)
+        j[kind] = {**served(kind), "train": tr}
+        j["memory"][kind] = (tr or {}).get("memory")
+    for v in variants:
+        if v in OPTIONAL_VARIANTS:
+            j[v] = served(v)
+    e3 = run.result("eagle3")
+    if off is not None:
+        on_wall = (e3 or {}).get("wall_s")
+        span = None
+        if e3:
+            r = e3["rates"]
+            span = round(r["trainer_startup_wait_s"] + r["consumer_wall_s"], 1)
+        j["offline"] = {**{k: v for k, v in off.items() if k != "loss_curve"},
+                        "online_wall_s": on_wall, "online_capture_train_span_s": span, "online_disk_bytes": 0,
+                        "online_shm_pool_bytes": p.shm_slots * (p.shm_slot_mb << 20),
+                        "note": "online wall includes its periodic and final acceptance evaluations and the export; "
+                                "the span is first-record wait + consumer time (capture and training overlapped)"}
+    e, n = j["eagle3"]["speedup"], j["ngram"]["speedup"]
+    j["goals"] = {
+        "eagle3_speedup_b1_ge_1.5": (e.get(keys[0]) or 0) >= 1.5 if e else None,
+        "eagle3_above_ngram_everywhere": all(e.get(k, 0) > n.get(k, 0) for k in keys) if e and n else None,
+        "outputs_equal_plain_all": all(x == 1.0 for v in ("ngram", *DRAFTERS) for x in j[v]["outputs_equal_plain"].values())
+        if sv else None,
+    }
+    return j
+
+
+def fmt(x: Any, nd: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def write_markdown(path: Path, j: dict[str, Any]) -> None:
+    keys = j["batch_sizes"]
+    L = [f"# layertap drafter loop ({j['profile']}, {j['device']['name']}, vLLM {fmt(j['device']['vllm'])})", "",
+         f"Written {j['written']}; complete: {j['complete']}; stages done: {', '.join(j['stages_done']) or 'none'}"
+         + (f"; failures: {j['failures']}" if j["failures"] else ""), ""]
+    t = j.get("target") or {}
+    if t:
+        L += ["## Target", "", f"`{t['path']}`: {t['parameters'] / 1e6:.1f} M parameters, {t['dtype']}, "
+              f"final training loss {t['final_loss']:.3f} after {t['steps_done']}/{t['steps']} steps"
+              + (" (cached)" if t.get("cached") else f" in {fmt(t['train_s'], 0)} s, {fmt(t['train_tokens_per_s'], 0)} "
+                 f"tok/s, MFU {fmt(t['train_mfu'])}"), ""]
+    L += ["## Serving (greedy, held-out prompts; output tokens/s after a warm-up)", "",
+          "| variant | runner | mean acceptance length | " + " | ".join(f"tok/s b={k}" for k in keys) + " | "
+          + " | ".join(f"speed-up b={k}" for k in keys) + " | outputs == plain |",
+          "|---|---|---|" + "---|" * (2 * len(keys)) + "---|"]
+    for v in ("plain", "ngram", "eagle3", "dflash", *[k for k in OPTIONAL_VARIANTS if k in j]):
+        s = j.get(v) or {}
+        if not s.get("output_tokens_per_s"):
+            L.append(f"| {v} | - | - |" + " - |" * (2 * len(keys)) + " - |")
+            continue
+        eq = " ".join(f"{k}:{fmt(s['outputs_equal_plain'].get(k), 2)}" for k in keys)
+        rng = s.get("speedup_range", {})
+        L.append(f"| {v} | {fmt(s['model_runner'])} | {fmt(s['acceptance_length'])} | "
+                 + " | ".join(fmt(s["output_tokens_per_s"].get(k), 1) for k in keys) + " | "
+                 + " | ".join(f"{fmt(s['speedup'].get(k), 2)}" + (f" ({rng[k][0]:.2f}-{rng[k][1]:.2f})" if k in rng and
+                                                                   len(set(rng[k])) > 1 else "") for k in keys)
+                 + f" | {eq} |")
+    L += ["", f"Goals: {j['goals']}", f"Plain's own outputs at batch b equal to batch {keys[0]}: "
+          f"{j.get('plain_batch_invariance')}", "", "## Online training (`layertap train`, engine and trainer on one "
+          "device, records over shm)", "",
+          "| drafter | wall s | steps | final loss | AL (training eval) | ngram AL | trainer idle | trainer tok/s | "
+          "busy tok/s | MFU | records/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for k in DRAFTERS:
+        r = (j.get(k) or {}).get("train")
+        if r:
+            L.append(f"| {k}{' (resumed: rates of its last part)' if r.get('resumed') else ''} | {r['wall_s']} | "
+                     f"{r['steps']} | {fmt(r['final_loss'], 4)} | "
+                     f"{fmt(r['train_eval_acceptance_length'])} | {fmt(r['train_eval_ngram_acceptance_length'])} | "
+                     f"{fmt(r['trainer_idle_fraction'])} | {fmt(r['trainer_tokens_per_s'], 0)} | "
+                     f"{fmt(r['trainer_busy_tokens_per_s'], 0)} | {fmt(r['mfu'], 4)} | {fmt(r['records_per_s'], 1)} |")
+    o = j.get("offline")
+    if o:
+        L += ["", "## Offline vs online (EAGLE-3, same inputs, steps and batch)", "",
+              "| | wall s | disk bytes |", "|---|---|---|",
+              f"| offline capture | {o['capture_wall_s']} | {o['dataset_bytes']:,} ({o['dataset_records']} records) |",
+              f"| offline train-offline | {o['train_wall_s']} | |", f"| offline total | {o['total_wall_s']} | |",
+              f"| online (layertap train, incl. evaluations) | {fmt(o['online_wall_s'], 1)} | 0 (shm pool "
+              f"{o['online_shm_pool_bytes']:,} in RAM) |",
+              f"| online capture + train span | {fmt(o['online_capture_train_span_s'], 1)} | |", "", o["note"]]
+    L += ["", "## Memory", "", j["memory"]["plan"], ""]
+    for k in DRAFTERS:
+        m = j["memory"].get(k)
+        if m:
+            L.append(f"- {k}: device peak {m['device_peak_used_mib']} of {m['device_total_mib']} MiB; per process: "
+                     + "; ".join(f"{v.get('role')}: {v.get('peak_mib')} MiB" for v in m["processes"].values()))
+    L += ["", "![loop](gpu_loop.png)", ""]
+    path.write_text("\n".join(L))
+
+
+def write_png(path: Path, j: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = j["batch_sizes"]
+    color = {"plain": "tab:gray", "ngram": "tab:blue", "eagle3": "tab:orange", "dflash": "tab:green"}
+    fig, ax = plt.subplots(2, 3, figsize=(17, 9))
+    t = j.get("target") or {}
+    if t.get("losses"):
+        ax[0, 0].plot(range(1, len(t["losses"]) + 1), t["losses"])
+    elif t:
+        ax[0, 0].text(0.5, 0.5, f"cached target: final loss {t['final_loss']:.3f}\n(no curve recorded)",
+                      ha="center", va="center", transform=ax[0, 0].transAxes)
+    ax[0, 0].set_title(f"target training loss ({t.get('dtype', '-')})"), ax[0, 0].set_xlabel("step")
+    for k in DRAFTERS:
+        r = (j.get(k) or {}).get("train")
+        if r and r["loss_curve"]:
+            ax[0, 1].plot(*zip(*r["loss_curve"]), color=color[k], label=f"{k} online")
+    if j.get("offline") and (j["offline"].get("steps") or 0) > 0:
+        off = read_json(Path(j["offline"]["dataset_dir"]).parent / "train" / "history.json") or []
+        if off:
+            ax[0, 1].plot([m["step"] for m in off], [m["loss"] for m in off], "--", color=color["eagle3"],
+                          label="eagle3 offline")
+    ax[0, 1].set_yscale("log"), ax[0, 1].set_title("drafter training loss"), ax[0, 1].set_xlabel("step")
+    ax[0, 1].legend(fontsize=8)
+    for k in DRAFTERS:
+        r = (j.get(k) or {}).get("train")
+        if r and r["acceptance_curve"]:
+            ax[0, 2].plot(*zip(*r["acceptance_curve"]), "o-", color=color[k], label=k)
+            if r.get("train_eval_ngram_acceptance_length"):
+                ax[0, 2].axhline(r["train_eval_ngram_acceptance_length"], color=color["ngram"], ls="--", lw=0.8)
+    ax[0, 2].set_title("acceptance length in vLLM vs step (dashed: ngram)"), ax[0, 2].set_xlabel("step")
+    ax[0, 2].legend(fontsize=8)
+    xs = range(len(keys))
+    width = 0.2
+    for i, v in enumerate(("plain", "ngram", "eagle3", "dflash")):
+        s = j.get(v) or {}
+        ys = [s.get("output_tokens_per_s", {}).get(k, 0) for k in keys]
+        ax[1, 0].bar([x + (i - 1.5) * width for x in xs], ys, width, color=color[v], label=v)
+        if v != "plain":
+            sp = [s.get("speedup", {}).get(k, 0) for k in keys]
+            ax[1, 1].bar([x + (i - 2) * width for x in xs], sp, width, color=color[v], label=v)
+            ax[1, 2].bar(i - 1, s.get("acceptance_length") or 0, 0.6, color=color[v], label=v)
+    for a, title in ((ax[1, 0], "output tokens/s"), (ax[1, 1], "speed-up over plain vLLM")):
+        a.set_xticks(list(xs)), a.set_xticklabels([f"batch {k}" for k in keys]), a.set_title(title), a.legend(fontsize=8)
+    ax[1, 1].axhline(1.0, color="black", lw=0.8), ax[1, 1].axhline(1.5, color="red", ls=":", lw=0.8)
+    ax[1, 2].set_xticks([0, 1, 2]), ax[1, 2].set_xticklabels(["ngram", "eagle3", "dflash"])
+    ax[1, 2].set_title("served mean acceptance length (vLLM counters)")
+    fig.suptitle(f"layertap drafter loop: {j['profile']} on {j['device']['name']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def write_outputs(run: Run, variants: tuple[str, ...], *, full: bool, results_dir: Path | None) -> dict[str, Any]:
+    j = summary(run, variants)
+    rep = run.work / "report"
+    write_json(rep / "gpu_loop.json", j)
+    names = ["gpu_loop.json"]
+    if full:
+        write_markdown(rep / "gpu_loop.md", j)
+        write_png(rep / "gpu_loop.png", j)
+        names += ["gpu_loop.md", "gpu_loop.png"]
+    for dest in filter(None, (run.out, results_dir)):
+        dest.mkdir(parents=True, exist_ok=True)
+        for n in names:
+            shutil.copy2(rep / n, dest / n)
+    shutil.copy2(run.work / "gpu_loop.log", run.out / "gpu_loop.log")
+    if full:
+        pack_logs(run.work, run.out / "gpu_loop_logs.tar.gz")
+    return j
+
+
+def pack_logs(work: Path, dest: Path, tail_bytes: int = 2 << 20) -> None:
+    """Every stage log (its last 2 MiB), the runs' own reports and state.json in one archive: the device
+    tool brings back few files, and a failure on the GPU must be readable here."""
+    import io
+    import tarfile
+
+    files = [*sorted((work / "logs").glob("*.log")), work / "state.json",
+             *[work / k / n for k in DRAFTERS for n in ("report.md", "report.json")],
+             *sorted((work / "serve").glob("*.failed")), *sorted(work.glob("*/evals/eval-*.log"))]
+    with tarfile.open(dest, "w:gz") as tar:
+        for f in files:
+            if not f.is_file():
+                continue
+            data = f.read_bytes()[-tail_bytes:]
+            info = tarfile.TarInfo(str(f.relative_to(work)))
+            info.size, info.mtime = len(data), int(f.stat().st_mtime)
+            tar.addfile(info, io.BytesIO(data))
+
+
+# -- driver ------------------------------------------------------------------------------------------
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", choices=sorted(PROFILES), required=True, help="sizes of every stage")
+    ap.add_argument("--work", required=True, type=Path, help="work directory (kept between calls: resume)")
+    ap.add_argument("--out", required=True, type=Path, help="where gpu_loop.json/.md/.png and the log are copied")
+    ap.add_argument("--stages", default="all", help=f"comma list of {','.join(STAGES)} (default all)")
+    ap.add_argument("--deadline-s", type=float, default=None, help="end this invocation within N s (resume later)")
+    ap.add_argument("--serve-variants", default=",".join(SERVE_VARIANTS),
+                    help=f"serving variants (also: {', '.join(OPTIONAL_VARIANTS)})")
+    ap.add_argument("--results-dir", type=Path, default=None,
+                    help="also copy the report here (e.g. benchmarks/results/DATE)")
+    ap.add_argument("--retry-failed", action="store_true",
+                    help="run stages again that failed in an earlier call (default: leave them failed)")
+    ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="change a profile value, e.g. steps=300, target.steps=300, target.model.num_layers=20")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["_worker"]:
+        return {"target": worker_target, "serve": worker_serve}[argv[1]](*argv[2:])
+    a = parse(argv)
+    stages = STAGES if a.stages == "all" else tuple(s.strip() for s in a.stages.split(","))
+    variants = tuple(v.strip() for v in a.serve_variants.split(","))
+    bad = [s for s in stages if s not in STAGES] + [v for v in variants if v not in SERVE_VARIANTS + OPTIONAL_VARIANTS]
+    if bad:
+        raise SystemExit(f"unknown stage or variant: {', '.join(bad)}")
+    profile = apply_overrides(PROFILES[a.profile], a.override)
+    run = Run(profile, a.work.resolve(), a.out.resolve(), a.deadline_s, list(a.override))
+    if profile.device == "cuda" and gpu_name() is None:
+        raise SystemExit(f"profile {profile.name} needs a CUDA GPU (nvidia-smi finds none)")
+    run.log(f"profile {profile.name}, work {run.work}, stages {','.join(stages)}, deadline {a.deadline_s}")
+    failed = later = False
+    steps: list[tuple[str, Callable[[], None]]] = [
+        ("target", lambda: stage_target(run)), ("eagle3", lambda: stage_online(run, "eagle3")),
+        ("dflash", lambda: stage_online(run, "dflash")), ("offline", lambda: stage_offline(run)),
+        ("serve", lambda: stage_serve(run, variants))]
+    for name, fn in steps:
+        if name not in stages:
+            continue
+        if run.result(name) is not None:
+            run.log(f"{name}: done earlier, skipped")
+            continue
+        if run.state["steps"].get(name, {}).get("status") == "failed" and not a.retry_failed:
+            run.log(f"{name}: FAILED in an earlier call, not retried (--retry-failed): {run.failures[name]}")
+            continue
+        t0 = time.monotonic()
+        try:
+            if name != "target" and run.result("target") is None:
+                raise Deferred("waits for the target stage")
+            if name != "serve":  # serve checks the time per variant
+                run.need(name, profile.estimates[name])
+            run.log(f"{name}: start")
+            fn()
+            run.log(f"{name}: done in {time.monotonic() - t0:.0f}s")
+            run.mark(name, "done", time.monotonic() - t0)
+        except Deferred as e:
+            run.log(f"{name}: deferred: {e} (a later call runs it)")
+            run.mark(name, "deferred", time.monotonic() - t0, str(e))
+            later = True
+        except DeadlineReached as e:
+            run.log(f"deadline: {e}; stopping here (run the same command again to resume)")
+            run.mark(name, "deadline", time.monotonic() - t0, str(e))
+            later = True
+            break
+        except StageFailed as e:
+            run.mark(name, "failed", time.monotonic() - t0, str(e))
+            run.log(f"{name}: FAILED: {e}")
+            failed = True
+        except Exception as e:  # a bug here must not cost the device call: log it, go on with the rest
+            run.mark(name, "failed", time.monotonic() - t0, f"{type(e).__name__}: {e}")
+            run.log(f"{name}: FAILED with an unexpected error:\n{traceback.format_exc()}")
+            failed = True
+        try:
+            write_outputs(run, variants, full=False, results_dir=None)  # partial results after every stage
+        except Exception:
+            run.log(f"partial report FAILED:\n{traceback.format_exc()}")
+    if "report" in stages:
+        try:
+            j = write_outputs(run, variants, full=True, results_dir=a.results_dir)
+        except Exception:
+            run.log(f"report FAILED (the results are in {run.work / 'results'}):\n{traceback.format_exc()}")
+            return 1
+        run.log(f"report: {run.out / 'gpu_loop.md'} (complete: {j['complete']})")
+        for v in ("ngram", "eagle3", "dflash"):
+            s = j[v]
+            run.log(f"  {v:>7}: AL {fmt(s['acceptance_length'])}  speed-up "
+                    + " ".join(f"b{k}={fmt(x, 2)}" for k, x in s["speedup"].items())
+                    + "  equal " + " ".join(f"b{k}={fmt(x, 2)}" for k, x in s["outputs_equal_plain"].items()))
+    # 75 while work that can run remains (call again); then 1 if a stage failed, else 0.
+    return EXIT_DEADLINE if later else 1 if failed or run.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,112 @@
+"""``benchmarks/gpu_loop.py`` end to end with its CPU profile (``cpu-tiny``): the same code the H200 run
+takes, with real vLLM CPU engines and tiny sizes. The target is the CPU main job's (cached under
+``LAYERTAP_CACHE``); two ``layertap train`` runs (EAGLE-3 with a periodic evaluation, DFlash), the offline
+capture + ``train-offline``, four serving engines (plain, ngram, EAGLE-3, DFlash) at batch 1 and 4, and the
+report. About 14 CPU engine start-ups: several minutes on 2 cores.
+
+Also: a second call finds every stage done and only rewrites the report (the GPU run resumes this way over
+several device calls), and a deadline that leaves no room stops before the first stage with exit 75.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu_loop.py"
+BATCHES = ["1", "4"]  # the cpu-tiny profile's serving batch sizes
+
+
+def _loop(work: Path, out: Path, *extra: str, timeout: float = 1500) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "--profile", "cpu-tiny", "--work", str(work),
+                           "--out", str(out), *extra], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _why(p: subprocess.CompletedProcess) -> str:
+    return f"exit {p.returncode}\n--- stdout (tail)\n{p.stdout[-6000:]}\n--- stderr (tail)\n{p.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict]:
+    base = tmp_path_factory.mktemp("gpu_loop")
+    work, out = base / "work", base / "out"
+    p = _loop(work, out)
+    assert p.returncode == 0, _why(p)
+    return work, out, json.loads((out / "gpu_loop.json").read_text())
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+def test_summary_has_every_required_number(loop: tuple[Path, Path, dict]) -> None:
+    _, _, j = loop
+    assert j["complete"] is True and j["failures"] == {}, j["failures"]
+    assert j["batch_sizes"] == BATCHES
+    for name in ("eagle3", "dflash", "ngram"):
+        s = j[name]
+        assert isinstance(s["acceptance_length"], float) and s["acceptance_length"] >= 1.0, (name, s)
+        assert sorted(s["speedup"]) == BATCHES and all(_positive(v) for v in s["speedup"].values()), (name, s)
+        eq = s["outputs_equal_plain"]
+        assert sorted(eq) == BATCHES and all(0.0 <= v <= 1.0 for v in eq.values()), (name, eq)
+        assert all(_positive(v) for v in s["output_tokens_per_s"].values()), (name, s)
+        assert s["model_runner"] in ("V1", "V2")
+    assert all(_positive(v) for v in j["plain"]["output_tokens_per_s"].values())
+    assert j["plain"]["speedup"] == {b: 1.0 for b in BATCHES}
+    assert set(j["goals"]) == {"eagle3_speedup_b1_ge_1.5", "eagle3_above_ngram_everywhere", "outputs_equal_plain_all"}
+
+
+def test_training_runs_report_rates_curves_and_target(loop: tuple[Path, Path, dict]) -> None:
+    _, _, j = loop
+    assert math.isfinite(j["target"]["final_loss"]) and j["target"]["parameters"] > 0
+    for kind in ("eagle3", "dflash"):
+        t = j[kind]["train"]
+        assert t["steps"] == 6 and math.isfinite(t["final_loss"]), t
+        assert 0.0 <= t["trainer_idle_fraction"] <= 1.0
+        assert _positive(t["trainer_tokens_per_s"]) and _positive(t["records_per_s"])
+        assert t["mfu"] is None  # CPU: no peak FLOP/s to divide by
+        assert t["train_eval_acceptance_length"] >= 1.0 and t["transport"] == "shm"
+        assert len(t["loss_curve"]) == 6
+    steps = [s for s, _ in j["eagle3"]["train"]["acceptance_curve"]]
+    assert steps == [3, 6], "EAGLE-3's periodic evaluation (step 3) and the final one"
+    off = j["offline"]
+    assert off["dataset_bytes"] > 0 and off["dataset_records"] > 0 and off["steps"] == 6
+    assert _positive(off["capture_wall_s"]) and _positive(off["train_wall_s"]) and _positive(off["online_wall_s"])
+
+
+def test_report_files(loop: tuple[Path, Path, dict]) -> None:
+    work, out, _ = loop
+    png = (out / "gpu_loop.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    md = (out / "gpu_loop.md").read_text()
+    assert "| eagle3 |" in md and "speed-up b=4" in md
+    assert (work / "report" / "gpu_loop.json").exists() and (out / "gpu_loop.log").exists()
+
+
+def test_second_call_resumes_with_nothing_left(loop: tuple[Path, Path, dict]) -> None:
+    work, out, j = loop
+    t0 = time.monotonic()
+    p = _loop(work, out, timeout=120)
+    assert p.returncode == 0, _why(p)
+    assert time.monotonic() - t0 < 60
+    for stage in ("target", "eagle3", "dflash", "offline", "serve"):
+        assert f"{stage}: done earlier, skipped" in p.stdout
+    again = json.loads((out / "gpu_loop.json").read_text())
+    assert again["eagle3"]["speedup"] == j["eagle3"]["speedup"] and again["invocations"] == 2
+
+
+def test_deadline_stops_before_a_stage_that_does_not_fit(tmp_path: Path) -> None:
+    p = _loop(tmp_path / "work", tmp_path / "out", "--deadline-s", "5", timeout=120)
+    assert p.returncode == 75, _why(p)
+    assert "target: deferred: target needs" in p.stdout and "eagle3: deferred: waits for the target" in p.stdout
+    j = json.loads((tmp_path / "out" / "gpu_loop.json").read_text())
+    assert j["complete"] is False and j["stages_done"] == []
