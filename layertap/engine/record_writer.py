@@ -1,0 +1,422 @@
+"""The connector's worker side: reads a finished request's rows from the capture layer by its own block ids
+and turns them into committed records (see ``connector``'s docstring for the protocol, ``gpu_gather`` for the
+CUDA stream rules). Runs in each worker process; only TP rank 0 reads and writes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from typing import Any
+
+import torch
+
+from layertap.engine import compat
+from layertap.engine.cache_view import CacheLayoutError, gather_blocks, kernel_ratio, slots_for, view_blocks_for, view_geometry
+from layertap.engine.gpu_gather import copy_to_host, gather_on_device, register_host, spans_of, unregister_host
+from layertap.engine.saves import LayertapMetadata, SaveJob, SlotCheckError
+from layertap.transport.base import get_transport
+
+log = logging.getLogger("vllm.layertap")
+
+
+def _abort(reservations: list[Any]) -> None:
+    """Give back transport memory reserved for records that will not be committed."""
+    for res in reservations:
+        if res is not None:
+            res.abort()
+
+
+class WorkerSide:
+    """Rows -> records: gathers, reserves transport memory, copies, commits (or hands to the writer thread)."""
+
+    def __init__(self, c: Any, vllm_config: Any):
+        self.c = c
+        self.hidden = compat.hidden_size(vllm_config)
+        self.n_layers = compat.num_layers(vllm_config)
+        self.run_meta = dict(c._extra.get("run_meta", {}))
+        self.transport_cfg = dict(c._extra["transport"])
+        self.compact_cfg = self.transport_cfg.get("compact")
+        self.view: torch.Tensor | None = None
+        self.rank0 = True
+        self.sink = None
+        self.released: set[str] = set()  # requests whose rows are read (or safely gathered): blocks may go
+        self.jobs: queue.Queue = queue.Queue(maxsize=int(c._extra.get("writer_queue", 64)))
+        self.error: BaseException | None = None
+        self.writer: threading.Thread | None = None
+        self.stream = None
+        self.copy_stream = None
+        self.staging = threading.Condition()  # device bytes gathered whose host copies are not done yet
+        self.staged_bytes = 0
+        self.checked = 0
+        # Records are laid out in transport memory and filled in place when the transport can (shm): on
+        # CUDA the device-to-host copy lands in the registered pool, no staging buffer, no host memcpy.
+        self.direct = bool(c._extra.get("direct", True)) and not self.compact_cfg
+        # CUDA: who reserves transport memory and queues the host copies. The step thread (default) puts
+        # that work on the engine's critical path; the writer thread takes it off, but then competes with
+        # the step thread for the GIL while the engine launches kernels. Paired on the H200 (RESULTS.md,
+        # 2026-12-01, run N) neither won: writer 0.76/0.72/0.72/0.90 vs step 0.70/0.67/0.74/0.93 of plain
+        # at 1/4/16/64 in flight, within each other's round-to-round range.
+        self.copy_on_writer = bool(c._extra.get("copy_on_writer", False))
+        # The writer waits for host copies sleeping, not spinning (see gpu_gather.copy_to_host); False
+        # exists so the benchmark can compare (variant capture-spin).
+        self.blocking_sync = bool(c._extra.get("blocking_sync", True))
+        # CUDA + a transport that allows it (shm without a payload checksum): each record's commit is a
+        # 4-byte copy queued on the copy stream after its payload (gpu_gather rule 5), so no thread of the
+        # engine waits for copies or commits records; the writer thread only serves the other paths.
+        # False: the writer thread waits for each group's copies and commits on the CPU (variant
+        # capture-hostcommit).
+        self.device_commit = bool(c._extra.get("device_commit", True))
+        self.commit_word: torch.Tensor | None = None  # on the device, once registered
+        self.inflight: list[tuple[Any, int]] = []  # (copy event, device bytes) of device-committed groups
+        self.pinned_region: torch.Tensor | None = None
+        # Benchmark aid only (benchmarks/capture_overhead.py "floor"): saves are reported done without
+        # reading any row, which measures what the capture path costs the engine by itself.
+        self.skip_reads = bool(c._extra.get("skip_reads", False))
+        # Time the engine's step spends in layertap's per-step work (logged at close): what capture costs
+        # the worker's critical path.
+        self.busy_s = 0.0
+        self.calls = 0
+        self.saved = 0
+
+    # ---- set-up ----
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.rank0 = compat.tp_rank() == 0
+        name = compat.capture_layer_name(list(kv_caches))
+        view = kv_caches[name]
+        n_planes = len(self.c._layer_ids)
+        self.geo = view_geometry(tuple(view.shape), n_planes, self.hidden,
+                                 plane_axis=compat.capture_plane_axis(compat.vllm_version()))
+        self.ratio = kernel_ratio(self.c._block_size, self.geo.view_block_size)
+        self.num_manager_blocks = self.geo.num_blocks // self.ratio
+        self.view = view
+        self.layer_name = name
+        self.row_bytes = self.geo.n_planes * self.geo.hidden * view.element_size()
+        log.info(
+            "layertap worker: capture layer %s; hidden-state group %d, manager block size %d; view shape %s "
+            "strides %s dtype %s device %s; plane axis %d, view block size %d (%d kernel blocks per manager "
+            "block); %d manager blocks; layer ids %s; tp rank0=%s",
+            name, self.c._group, self.c._block_size, tuple(view.shape), tuple(view.stride()), view.dtype,
+            view.device, self.geo.plane_axis, self.geo.view_block_size, self.ratio, self.num_manager_blocks,
+            self.c._layer_ids, self.rank0,
+        )
+        for lid in self.c._layer_ids:
+            if not 0 <= lid <= self.n_layers:
+                raise CacheLayoutError(f"layer id {lid} outside 0..{self.n_layers}")
+        if self.rank0 and not self.skip_reads:
+            writer_id = f"{socket.gethostname()}-{os.getpid()}"
+            self.sink = get_transport(self.transport_cfg["backend"]).make_sink(self.transport_cfg, writer_id)
+            if view.is_cuda and self.direct and hasattr(self.sink, "data_region"):
+                region = self.sink.data_region()
+                err = register_host(region)
+                if err is None:
+                    self.pinned_region = region
+                    self.device_commit = self.device_commit and bool(getattr(self.sink, "device_commit_ok", False))
+                    if self.device_commit:
+                        self.commit_word = self.sink.commit_word().to(view.device)
+                    log.info("layertap worker: %d MiB of transport memory page-locked; rows go to it directly; "
+                             "records commit %s", region.numel() >> 20,
+                             "on the device (a commit word copied after each payload)" if self.device_commit
+                             else "on the writer thread, after their copies")
+                else:
+                    self.direct = False
+                    log.warning("layertap worker: cannot page-lock the transport memory (%s); staging rows "
+                                "through pinned buffers instead", err)
+            if view.is_cuda:
+                self.stream = torch.cuda.Stream(device=view.device)
+                self.copy_stream = torch.cuda.Stream(device=view.device)
+            self.writer = threading.Thread(target=self._write_loop, name="layertap-writer", daemon=True)
+            self.writer.start()
+
+    # ---- first-step slot check ----
+    def check_slots(self, layer_name: str, attn_metadata: Any, meta: Any) -> None:
+        if layer_name != getattr(self, "layer_name", None) or not isinstance(meta, LayertapMetadata) or not meta.checks:
+            return
+        if isinstance(attn_metadata, dict):
+            attn_metadata = attn_metadata.get(layer_name)
+        written = getattr(attn_metadata, "slot_mapping", None)
+        if written is None:
+            raise SlotCheckError("capture layer metadata carries no slot_mapping; cannot verify the slots it wrote")
+        written_set = set(written.detach().cpu().tolist())
+        for chk in meta.checks:
+            want = slots_for(chk.block_ids, self.c._block_size, chk.start, chk.stop, request=chk.req_id,
+                             num_manager_blocks=self.num_manager_blocks)
+            missing = [s for s in want.tolist() if s not in written_set]
+            if missing:
+                raise SlotCheckError(
+                    f"request {chk.req_id}: positions [{chk.start}, {chk.stop}) map to slots {want.tolist()[:8]}..., "
+                    f"but this step wrote none of {missing[:8]} (block size {self.c._block_size}, blocks "
+                    f"{chk.block_ids[:8]})"
+                )
+            self.checked += 1
+        log.info("layertap worker: slot check passed for %d scheduled requests (%d so far)", len(meta.checks),
+                 self.checked)
+        meta.checks.clear()  # checked once per step (save_kv_layer may run more than once)
+
+    # ---- finished requests ----
+    def finished(self, meta: Any) -> set[str] | None:
+        t0 = time.perf_counter()
+        try:
+            return self._finished(meta)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+            self.calls += 1
+
+    def _finished(self, meta: Any) -> set[str] | None:
+        if self.error is not None:
+            raise RuntimeError(f"layertap writer failed: {self.error}") from self.error
+        if isinstance(meta, LayertapMetadata) and self.rank0 and meta.saves:
+            if self.view.is_cuda and not self.skip_reads:
+                self._start_copies_cuda(meta.saves)
+            else:
+                for job in meta.saves:
+                    self._start_copy(job)
+        done, self.released = self.released, set()
+        return done or None
+
+    def _record_layout(self, job: SaveJob) -> tuple[dict[str, tuple], dict[str, Any]]:
+        specs = {"token_ids": (torch.int64, (job.num_rows,)),
+                 "hidden_states": (self.view.dtype, (job.num_rows, self.geo.n_planes, self.geo.hidden))}
+        if job.meta.get("loss_spans") is not None:
+            specs["loss_mask"] = (torch.uint8, (job.num_rows,))
+        meta = {**self.run_meta, **job.meta, "dtype": str(self.view.dtype).removeprefix("torch.")}
+        return specs, meta
+
+    @staticmethod
+    def _fill_small(tensors: dict[str, torch.Tensor], job: SaveJob) -> None:
+        tensors["token_ids"].copy_(torch.tensor(job.token_ids, dtype=torch.int64))
+        if "loss_mask" in tensors:
+            tensors["loss_mask"].zero_()
+            for a, b in job.meta["loss_spans"]:
+                tensors["loss_mask"][a:b] = 1
+
+    def _blocks(self, job: SaveJob) -> list[int]:
+        """The view blocks holding the record's rows (its first ``num_rows`` positions), checked."""
+        self.saved += 1
+        return view_blocks_for(job.block_ids, self.c._block_size, job.num_rows, self.ratio, request=job.req_id,
+                               num_manager_blocks=self.num_manager_blocks)
+
+    def _reserve(self, job: SaveJob, device_commit: bool = False) -> Any:
+        """The record's transport memory, reserved and filled but for the rows (``None``: no free room right
+        now, or a transport without ``reserve``: the rows are staged and put instead)."""
+        if not self.direct:
+            return None
+        specs, meta = self._record_layout(job)
+        res = self.sink.reserve(job.key, specs, meta, device_commit=True) if device_commit else \
+            self.sink.reserve(job.key, specs, meta)
+        if res is not None:
+            self._fill_small(res.tensors, job)
+        return res
+
+    def _start_copy(self, job: SaveJob) -> None:
+        """One record on the CPU (the copy is done when this returns); CUDA goes through _start_copies_cuda."""
+        if self.skip_reads:
+            self.saved += 1
+            if job.release:
+                self.released.add(job.req_id)
+            return
+        blocks = self._blocks(job)
+        res = self._reserve(job)
+        # advanced indexing copies: the rows are ours now, the blocks may go
+        rows = gather_blocks(self.view, self.geo, torch.tensor(blocks, dtype=torch.int64))[: job.num_rows]
+        if job.release:
+            self.released.add(job.req_id)
+        if res is not None:  # laid out in place: the copy is done, the commit is a few stores
+            try:
+                res.tensors["hidden_states"].copy_(rows)
+            except BaseException:
+                res.abort()
+                raise
+            res.commit()
+            return
+        # blocks when the writer is behind: the engine slows, nothing drops
+        self.jobs.put(("host", job, rows, None))
+
+    # The rows of one step's finished records are gathered together, in groups of at most this many bytes
+    # of device memory.
+    BATCH_BYTES = 512 << 20
+
+    def _start_copies_cuda(self, jobs: list[SaveJob]) -> None:
+        """All records of this step, in one gather per group (by cache block); then their transport memory
+        is reserved and the host copies queued, here or on the writer thread (``copy_on_writer``)."""
+        vbytes = self.geo.view_block_size * self.row_bytes
+        group: list[SaveJob] = []
+        lists: list[list[int]] = []
+        size = 0
+        for job in jobs:
+            blocks = self._blocks(job)
+            if group and size + len(blocks) * vbytes > self.BATCH_BYTES:
+                self._gather_group(group, lists, size)
+                group, lists, size = [], [], 0
+            group.append(job)
+            lists.append(blocks)
+            size += len(blocks) * vbytes
+        if group:
+            self._gather_group(group, lists, size)
+
+    def _gather_group(self, group: list[SaveJob], lists: list[list[int]], nbytes: int) -> None:
+        self._bound_staging(nbytes)
+        # The forward stream waits for the gather kernel (gpu_gather rule 3), so the blocks are free to be
+        # reused as soon as this returns: they are reported done in this very step, and the engine runs no
+        # extra steps waiting for the host copy.
+        rows, gathered, keep = gather_on_device(self.view, self.geo, lists, self.stream, hold_forward=True)
+        spans = spans_of(lists, [job.num_rows for job in group], self.geo.view_block_size)
+        for job in group:
+            if job.release:
+                self.released.add(job.req_id)
+        if self.copy_on_writer:
+            # blocks when the writer is behind: the engine slows, nothing drops
+            self.jobs.put(("device", group, spans, rows, gathered, keep, nbytes))
+            return
+        reservations: list[Any] = []
+        try:
+            for job in group:
+                reservations.append(self._reserve(job, self.commit_word is not None))
+            dsts = [res.tensors["hidden_states"] if res is not None else None for res in reservations]
+            if self.commit_word is not None and all(res is not None for res in reservations):
+                self._copy_and_commit_on_device(rows, spans, dsts, reservations, gathered, nbytes)
+                return
+            hosts, done = copy_to_host(rows, spans, dsts, self.copy_stream, gathered,
+                                       blocking=self.blocking_sync)
+        except BaseException:
+            _abort(reservations)
+            self._unstage(nbytes)
+            raise
+        self.jobs.put(("copied", group, hosts, reservations, done, (rows, keep), nbytes))
+
+    def _copy_and_commit_on_device(self, rows: torch.Tensor, spans: list[tuple[int, int]], dsts: list[torch.Tensor],
+                                   reservations: list[Any], gathered: Any, nbytes: int) -> None:
+        """Queue the payload copies and then each record's commit word on the copy stream; nothing waits.
+        The gathered rows go back to the caching allocator tied to the copy stream (not reused before the
+        copies ran); the index's pinned source is held by the caching host allocator until its upload ran.
+        A reservation whose slots no device word reached (the copies failed to queue) is aborted by the
+        caller; one whose word was queued commits itself."""
+        _, done = copy_to_host(rows, spans, dsts, self.copy_stream, gathered, blocking=self.blocking_sync,
+                               commits=[res.commit_target for res in reservations], commit_word=self.commit_word)
+        for res in reservations:
+            res.handed_to_device()
+        rows.record_stream(self.copy_stream)
+        with self.staging:
+            self.inflight.append((done, nbytes))  # staged bytes stay counted until the copies ran
+
+    # Device memory the gathered rows may hold while their host copies are in flight; past it the step
+    # waits for the writer (backpressure instead of an out-of-memory error in the engine).
+    MAX_STAGED_BYTES = 2 << 30
+
+    def _reap(self, wait: bool = False) -> None:
+        """Uncount device-committed groups whose copies ran (``wait``: wait for the oldest one first).
+        Caller holds ``self.staging``."""
+        if wait and self.inflight:
+            self.inflight[0][0].synchronize()
+        while self.inflight and self.inflight[0][0].query():
+            self.staged_bytes -= self.inflight.pop(0)[1]
+
+    def _bound_staging(self, nbytes: int) -> None:
+        with self.staging:
+            self._reap()
+            while self.staged_bytes and self.staged_bytes + nbytes > self.MAX_STAGED_BYTES:
+                if self.error is not None:
+                    raise RuntimeError(f"layertap writer failed: {self.error}") from self.error
+                if self.inflight:
+                    self._reap(wait=True)  # the device copies are behind: the engine waits for the oldest
+                else:
+                    self.staging.wait(timeout=0.5)
+            self.staged_bytes += nbytes
+
+    def _unstage(self, nbytes: int) -> None:
+        with self.staging:
+            self.staged_bytes -= nbytes
+            self.staging.notify_all()
+
+    def _write_loop(self) -> None:
+        if self.view is not None and self.view.is_cuda:
+            torch.cuda.set_device(self.view.device)
+        while True:
+            item = self.jobs.get()
+            if item is None:
+                return
+            try:
+                if item[0] == "device":
+                    self._write_device(*item[1:])
+                elif item[0] == "copied":
+                    self._write_copied(*item[1:])
+                else:
+                    self._write_host(*item[1:])
+                # drop this item's device rows and pinned buffers now, not when the next item arrives
+                item = None
+            except BaseException as e:  # surfaced on the engine's next step (get_finished raises)
+                log.error("layertap: writing records failed: %r", e)
+                self.error = e
+                with self.staging:
+                    self.staging.notify_all()
+                return
+
+    def _write_device(self, group: list[SaveJob], spans: list[tuple[int, int]], rows: torch.Tensor,
+                      gathered: Any, keep: Any, nbytes: int) -> None:
+        """Reserve the records' transport memory and queue their rows' copies into it (copy_on_writer)."""
+        reservations: list[Any] = []
+        try:
+            for job in group:
+                reservations.append(self._reserve(job))
+            dsts = [res.tensors["hidden_states"] if res is not None else None for res in reservations]
+            hosts, done = copy_to_host(rows, spans, dsts, self.copy_stream, gathered, blocking=self.blocking_sync)
+        except BaseException:
+            _abort(reservations)
+            self._unstage(nbytes)
+            raise
+        self._write_copied(group, hosts, reservations, done, (rows, keep), nbytes)
+
+    def _write_copied(self, group: list[SaveJob], hosts: list[torch.Tensor], reservations: list[Any], done: Any,
+                      keep: Any, nbytes: int) -> None:
+        """Wait for the records' host copies, then commit each. ``keep`` (the device rows and the index's
+        pinned source) is only held: the copies read it until ``done``; the caller drops it afterwards."""
+        try:
+            done.synchronize()
+        except BaseException:
+            _abort(reservations)
+            raise
+        finally:
+            self._unstage(nbytes)
+        for i, (job, host, res) in enumerate(zip(group, hosts, reservations)):
+            try:
+                self._write_host(job, None if res is not None else host, res)
+            except BaseException:
+                _abort(reservations[i + 1:])
+                raise
+
+    def _write_host(self, job: SaveJob, host: torch.Tensor | None, res: Any) -> None:
+        """Make one record visible: commit its reservation, or put its staged rows."""
+        if res is not None:
+            res.commit()  # the rows are in place: make the record visible
+            return
+        try:
+            specs, meta = self._record_layout(job)
+            tensors = {"token_ids": torch.empty(job.num_rows, dtype=torch.int64), "hidden_states": host}
+            if "loss_mask" in specs:
+                tensors["loss_mask"] = torch.empty(job.num_rows, dtype=torch.uint8)
+            self._fill_small(tensors, job)
+            if self.compact_cfg:
+                from layertap.transport.compact import compact
+
+                tensors, meta = compact(tensors, meta, **self.compact_cfg)
+            self.sink.put(job.key, tensors, meta)
+        except BaseException as e:
+            log.error("layertap: writing record %s failed: %r", job.key, e)
+            raise
+
+    def close(self) -> None:
+        if self.calls:
+            log.info("layertap worker: %d records started in %d steps; layertap's per-step work took %.3f s "
+                     "(%.3f ms per step)", self.saved, self.calls, self.busy_s, 1e3 * self.busy_s / self.calls)
+        if self.writer is not None and self.writer.is_alive():
+            self.jobs.put(None)
+            self.writer.join(timeout=60)
+        if self.pinned_region is not None:
+            torch.cuda.synchronize()
+            unregister_host(self.pinned_region)
+            self.pinned_region = None
+        if self.sink is not None:
+            self.sink.close()

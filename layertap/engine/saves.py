@@ -1,0 +1,159 @@
+"""The connector's scheduler side: which requests to save in which step, and the metadata it hands to the
+workers (see ``connector``'s docstring for the whole protocol). Runs in the engine-core process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from layertap.engine import compat
+from layertap.records import LAYER_SEMANTICS, token_digest
+
+PARAMS_KEY = "layertap"  # kv_transfer_params[PARAMS_KEY] marks a request for capture
+
+
+class SlotCheckError(RuntimeError):
+    """The slots vLLM wrote this step do not include the slots computed for a request."""
+
+
+@dataclass
+class SaveJob:
+    req_id: str
+    key: str
+    block_ids: list[int]
+    token_ids: list[int]
+    num_rows: int
+    meta: dict[str, Any]
+    release: bool = True  # report the blocks free once read (False: a prompt saved before its request ends)
+
+
+@dataclass
+class SlotCheck:
+    req_id: str
+    block_ids: list[int]
+    start: int
+    stop: int
+
+
+@dataclass
+class LayertapMetadata(KVConnectorMetadata):
+    saves: list[SaveJob] = field(default_factory=list)
+    checks: list[SlotCheck] = field(default_factory=list)
+
+
+class SchedulerSide:
+    """Per step: the saves of finished (or prompt-complete) requests and the first steps' slot checks."""
+
+    def __init__(self, c: Any):
+        self.c = c
+        self.blocks: dict[str, list[int]] = {}  # hidden-group block ids per live request
+        self.params: dict[str, dict] = {}
+        self.pending: list[SaveJob] = []
+        # Prompt-mode requests on the hook path are saved in the step whose forward completes their prompt
+        # (the rows are final then), not after they finish: no blocks held, no engine step spent waiting.
+        self.eager = self.c._extra.get("capture_path") == "hook"  # as compat.capture_layer_ids decides
+        self.prompts: dict[str, list[int]] = {}  # prompt ids of live prompt-mode requests to save eagerly
+        self.saved_early: dict[str, dict] = {}  # req_id -> what request_finished reports for it
+        self.steps = 0
+        self.decode_steps = 0
+
+    def build_meta(self, out) -> LayertapMetadata:
+        g = self.c._group
+        sched = compat.num_scheduled(out)
+        checks = []
+        want_checks = self.steps < self.c._check_steps
+        computed_now: dict[str, int] = {}
+        for rid, blocks, computed, params, prompt in compat.new_requests(out):
+            self.blocks[rid] = list(blocks[g]) if len(blocks) > g else []
+            computed_now[rid] = computed
+            if params and PARAMS_KEY in params:
+                self.params[rid] = params[PARAMS_KEY]
+                mode = self.params[rid].get("mode", self.c._extra.get("default_mode", "prompt"))
+                if self.eager and mode == "prompt" and prompt:
+                    self.prompts[rid] = prompt
+            if want_checks and rid in sched:
+                checks.append(SlotCheck(rid, list(self.blocks[rid]), computed, computed + sched[rid]))
+        cached = compat.cached_requests(out)
+        # Decode steps (a token + the dummy draft) are checked too: their positions are where scheduler and
+        # worker can disagree (async scheduling), and the first steps of a run are often all prefill. Only
+        # requests that keep decode rows (generate mode) are checked there: a prompt-mode request's rows
+        # end with its prompt, whatever a late decode step writes after it.
+        def keeps_decode_rows(rid: str) -> bool:
+            params = self.params.get(rid)
+            mode = params.get("mode") if params is not None else None
+            return (mode or self.c._extra.get("default_mode", "prompt")) == "generate"
+
+        decoding = {rid for rid, _, _, _, n_out in cached if n_out > 0 and rid in sched}
+        want_decode_checks = any(map(keeps_decode_rows, decoding)) and self.decode_steps < self.c._check_steps
+        for rid, new_blocks, resumed, computed, _ in cached:
+            computed_now[rid] = computed
+            if new_blocks is not None and len(new_blocks) > g:
+                self.blocks[rid] = list(new_blocks[g]) if resumed else self.blocks.get(rid, []) + list(new_blocks[g])
+            if rid in decoding and not keeps_decode_rows(rid):
+                continue
+            if (want_checks or want_decode_checks) and rid in sched:
+                checks.append(SlotCheck(rid, list(self.blocks.get(rid, [])), computed, computed + sched[rid]))
+        self.steps += 1
+        self.decode_steps += want_decode_checks
+        saves = self.pending
+        for rid in [r for r in self.prompts if r in sched and computed_now.get(r, -1) + sched[r] >= len(self.prompts[r])]:
+            saves.append(self._early_save(rid, self.prompts.pop(rid)))
+        meta = LayertapMetadata(saves=saves, checks=checks)
+        self.pending = []
+        return meta
+
+    def _early_save(self, rid: str, prompt: list[int]) -> SaveJob:
+        """This step's forward completes the prompt of a prompt-mode request: its rows are final after it."""
+        params = self.params.get(rid, {})
+        n = len(prompt)
+        job = self._job(rid, params, "prompt", prompt, n, None, list(self.blocks.get(rid, [])))
+        job.release = False  # the request runs on; its blocks are the scheduler's to free
+        self.saved_early[rid] = {"status": "saving", "key": job.key, "num_rows": n,
+                                 "token_digest": job.meta["token_digest"]}
+        return job
+
+    def _job(self, rid: str, params: dict, mode: str, token_ids: list[int], n_prompt: int,
+             next_token: int | None, block_ids: list[int]) -> SaveJob:
+        n_rows = len(token_ids)
+        key = f"{params.get('run', 'run')}:{rid}"
+        meta = {
+            "key": key, "request_id": rid, "index": int(params.get("index", -1)), "mode": mode,
+            "layer_ids": self.c._layer_ids, "num_tokens": n_rows, "num_prompt_tokens": min(n_prompt, n_rows),
+            "token_digest": token_digest(token_ids), "layer_semantics": LAYER_SEMANTICS,
+            "next_token_id": next_token, "cache_group": self.c._group_desc,
+            **{k: v for k, v in params.items() if k in ("sample", "run", "loss_spans")},
+        }
+        return SaveJob(rid, key, block_ids, token_ids, n_rows, meta)
+
+    def finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        rid = request.request_id
+        self.blocks.pop(rid, None)
+        self.prompts.pop(rid, None)
+        params = self.params.pop(rid, None)
+        early = self.saved_early.pop(rid, None)
+        if early is not None:  # saved when its prompt completed; nothing left to hold
+            aborted = compat.finished_request_state(request)[3]
+            return False, {PARAMS_KEY: {"status": "aborted"} if aborted else early}
+        if params is None:
+            tp = request.kv_transfer_params or {}
+            params = tp.get(PARAMS_KEY) if isinstance(tp, dict) else None
+        if params is None and self.c._extra.get("capture_all"):
+            params = {}  # `layertap serve --capture-all`: every request is captured (pipeline/serve.py)
+        if params is None:
+            return False, None  # not a capture request
+        all_ids, n_prompt, n_computed, aborted, _ = compat.finished_request_state(request)
+        if aborted or n_computed == 0:
+            return False, {PARAMS_KEY: {"status": "aborted"}}
+        # `layertap serve` sets default_mode "generate" (prompt + answer rows); the Tap always sends a mode.
+        mode = params.get("mode", self.c._extra.get("default_mode", "prompt"))
+        # Rows exist for tokens that ran through the model. The last sampled token never did; after a
+        # preemption vLLM may count the dummy draft slot as computed, so clip to the tokens that ran.
+        n_rows = min(n_computed, n_prompt if mode == "prompt" else len(all_ids) - 1)
+        job = self._job(rid, params, mode, all_ids[:n_rows], n_prompt,
+                        all_ids[n_rows] if n_rows < len(all_ids) else None, block_ids)
+        self.pending.append(job)
+        return True, {PARAMS_KEY: {"status": "saving", "key": job.key, "num_rows": n_rows,
+                                   "token_digest": job.meta["token_digest"]}}
+
