@@ -35,6 +35,7 @@ import select
 import socket
 import struct
 import threading
+import time
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -196,14 +197,47 @@ class Pool:
         os.close(fd)
         return size
 
+    LOCK_TIMEOUT = 30.0
+    """Seconds to wait for the pool lock. Every holder keeps it for microseconds; a peer that keeps it this
+    long is stopped (SIGSTOP, a debugger) or hung, and waiting on would hang every other peer with it."""
+
     @contextmanager
     def locked(self) -> Iterator[None]:
         with self._tlock:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, 0)
+            self._acquire()
             try:
                 yield
             finally:
                 fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, 0)
+
+    def _acquire(self) -> None:
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)  # the usual case: free at once
+            return
+        except (BlockingIOError, PermissionError):
+            pass
+        deadline = time.monotonic() + self.LOCK_TIMEOUT
+        pause = 0.0001
+        while True:
+            try:
+                fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+                return
+            except (BlockingIOError, PermissionError):
+                if time.monotonic() >= deadline:
+                    raise TransportError(
+                        f"shm pool {self.name}: its lock was held by another process for {self.LOCK_TIMEOUT:.0f} s "
+                        f"(pid {self._lock_holder()}; stopped or hung?)") from None
+                time.sleep(pause)
+                pause = min(pause * 2, 0.005)
+
+    def _lock_holder(self) -> int | None:
+        """The pid holding the pool lock (F_GETLK), or ``None``."""
+        try:
+            fl = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
+            got = struct.unpack("hhqqi", fcntl.fcntl(self._fd, fcntl.F_GETLK, fl))
+            return got[4] if got[0] != fcntl.F_UNLCK else None
+        except OSError:
+            return None
 
     # --- header -------------------------------------------------------------------------------
     def consumer(self) -> tuple[int, int, bool]:

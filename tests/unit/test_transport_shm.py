@@ -329,3 +329,31 @@ def test_writer_killed_with_device_commits_pending_is_named_and_its_slots_reclai
         assert src.free_capacity() == 4
     finally:
         src.close()
+
+
+def test_a_stopped_lock_holder_is_a_named_error_not_a_hang():
+    """Every holder keeps the pool lock for microseconds; one stopped while holding it (SIGSTOP, a debugger)
+    must not hang its peers: they give up after ``LOCK_TIMEOUT`` naming the pid, and go on once it is gone."""
+    import subprocess
+
+    cfg = SHM.prepare({"slot_bytes": 4096, "num_slots": 2})
+    src = SHM.make_source(cfg)
+    code = ("import os, signal; from layertap.transport import shm_pool as sp; p = sp.Pool(%r)\n"
+            "with p.locked():\n    print('locked', flush=True); os.kill(os.getpid(), signal.SIGSTOP)\n" % cfg["name"])
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pool = sp.Pool(cfg["name"])
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        pool.LOCK_TIMEOUT = 1.0
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match=f"held by another process for 1 s \\(pid {holder.pid}"):
+            pool.claim(1, 0, b"k")
+        assert 0.9 < time.monotonic() - t0 < 5
+        holder.kill()
+        holder.wait(10)
+        assert pool.claim(1, 0, b"k") == 0  # the kernel dropped the dead holder's lock
+    finally:
+        holder.kill()
+        holder.wait(10)
+        pool.close()
+        src.close()
