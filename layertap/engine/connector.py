@@ -77,6 +77,13 @@ def watch_owner(owner: dict[str, int] | None, role: str, period: float = 0.5) ->
             time.sleep(period)
         log.error("layertap %s: the process that started this engine (pid %d) is gone; exiting so the engine "
                   "does not outlive it", role, pid)
+        from layertap.engine.watchdog import mapped_segments
+
+        for seg in mapped_segments([os.getpid()]):  # vLLM's queues between the engine's processes: the
+            try:  # others are dying too, and nobody would unlink them after a SIGKILL
+                os.unlink(seg)
+            except OSError:
+                pass
         os.kill(os.getpid(), signal.SIGKILL)
 
     t = threading.Thread(target=run, name="layertap-owner-watch", daemon=True)

@@ -192,15 +192,63 @@ def _threads(pid: int, limit: int = 40) -> str:
     return ", ".join(out) + (f" (+{len(tids) - limit} more)" if len(tids) > limit else "")
 
 
+SHM_PREFIX = "/dev/shm/psm_"
+"""vLLM's engine processes talk through Python ``SharedMemory`` segments (its message queues: 160-250 MiB
+each on the CPU build) that they take off Python's resource tracker; killed, they leave them behind."""
+
+
+def mapped_segments(pids: list[int]) -> set[str]:
+    """The ``SharedMemory`` segments (``/dev/shm/psm_*``) these processes map."""
+    out: set[str] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                out.update(line.split()[-1] for line in f if SHM_PREFIX in line)
+        except OSError:
+            continue
+    return {s.removesuffix(" (deleted)") for s in out}
+
+
+def unlink_orphans(segments: set[str]) -> list[str]:
+    """Unlink those of ``segments`` that no living process maps any more; returns the names removed."""
+    if not segments:
+        return []
+    live = mapped_segments([int(d) for d in os.listdir("/proc") if d.isdigit()])
+    gone = []
+    for seg in sorted(segments - live):
+        try:
+            os.unlink(seg)
+            gone.append(seg)
+        except FileNotFoundError:
+            pass
+    return gone
+
+
+def _running(pid: int) -> bool:
+    st = _stat(pid)
+    return st is not None and st["state"] not in ("Z", "X")  # a zombie holds no memory any more
+
+
 def kill(procs: list[dict]) -> None:
-    """SIGKILL ``procs`` (children last seen alive; a pid reused since is left alone)."""
+    """SIGKILL ``procs`` (children last seen alive; a pid reused since is left alone), then unlink the
+    shared-memory segments they mapped and nobody maps now (``SHM_PREFIX``)."""
+    segments = mapped_segments([p["pid"] for p in procs])
+    killed = []
     for p in reversed(procs):
         now = _stat(p["pid"])
         if now is not None and now["start"] == p["start"]:
             try:
                 os.kill(p["pid"], signal.SIGKILL)
+                killed.append(p["pid"])
             except ProcessLookupError:
                 pass
+    deadline = time.monotonic() + 5.0  # SIGKILL is not instant: wait (bounded) until they unmapped
+    while killed and time.monotonic() < deadline and any(_running(pid) for pid in killed):
+        time.sleep(0.02)
+    gone = unlink_orphans(segments)
+    if gone:
+        log.info("layertap: removed %d shared-memory segment(s) the killed engine processes left: %s", len(gone),
+                 ", ".join(gone))
 
 
 def new_diag_dir() -> Path:

@@ -178,14 +178,18 @@ class EvalRunner:
 
 
 def stop_tree(pid: int, timeout: float) -> None:
-    """SIGTERM ``pid`` and its descendants (listed before signalling), SIGKILL what is left after ``timeout``."""
+    """SIGTERM ``pid`` and its descendants (listed before signalling), SIGKILL what is left after ``timeout``;
+    then unlink the shared-memory segments they mapped that nobody maps any more."""
     import psutil
+
+    from layertap.engine.watchdog import mapped_segments, unlink_orphans
 
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return
+    segments = mapped_segments([p.pid for p in procs])  # vLLM's queues; a killed engine leaves them behind
     for p in procs:
         try:
             p.terminate()
@@ -199,6 +203,7 @@ def stop_tree(pid: int, timeout: float) -> None:
         except psutil.NoSuchProcess:
             continue
     psutil.wait_procs(alive, timeout=5)
+    unlink_orphans(segments)
 
 
 if __name__ == "__main__":

@@ -88,3 +88,45 @@ def test_phases_within_their_limits_pass_and_bad_limits_are_refused(tmp_path):
     for bad in (0, -1, None):
         with pytest.raises(ValueError, match="start_timeout"):
             watchdog.Watchdog(start_timeout=bad, step_timeout=5)
+
+
+HOLDER = ("import sys, time\n"
+          "from multiprocessing import resource_tracker, shared_memory\n"
+          "m = shared_memory.SharedMemory(create=True, size=1 << 20)\n"
+          "resource_tracker.unregister(m._name, 'shared_memory')  # as vLLM's message queues do\n"
+          "m.buf[:4] = b'live'\n"
+          "print(m.name, flush=True)\n"
+          "time.sleep(120)\n")
+ATTACH = ("import sys, time\n"
+          "from multiprocessing import resource_tracker, shared_memory\n"
+          "m = shared_memory.SharedMemory(name=sys.argv[1])\n"
+          "resource_tracker.unregister(m._name, 'shared_memory')\n"
+          "print('attached', flush=True)\n"
+          "time.sleep(120)\n")
+
+
+def test_kill_removes_the_shared_memory_the_killed_processes_leave_and_only_that():
+    """vLLM's engine processes share ``SharedMemory`` queues that no resource tracker watches: killed, they
+    leave them in /dev/shm (160-250 MiB each on the CPU build). ``kill`` unlinks what they mapped, unless a
+    process still alive maps it."""
+    a = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True)
+    b = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True)
+    seg_a, seg_b = (f"/dev/shm/{p.stdout.readline().strip()}" for p in (a, b))
+    c = subprocess.Popen([sys.executable, "-c", ATTACH, os.path.basename(seg_b)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert c.stdout.readline().strip() == "attached"
+        assert os.path.exists(seg_a) and os.path.exists(seg_b)
+        procs = [q for q in watchdog.descendants() if q["pid"] in (a.pid, b.pid)]
+        assert len(procs) == 2
+        watchdog.kill(procs)
+        a.wait(10)
+        b.wait(10)
+        assert not os.path.exists(seg_a)  # only the killed process mapped it
+        assert os.path.exists(seg_b)  # c, alive, still maps it
+    finally:
+        for p in (a, b, c):
+            p.kill()
+            p.wait(10)
+        for seg in (seg_a, seg_b):
+            if os.path.exists(seg):
+                os.unlink(seg)
