@@ -91,7 +91,7 @@ class Consumer(threading.Thread):
                     self.count += 1
                     self.rows += int(rec.token_ids.numel())
                     if len(self.sample) < self.keep and self.count % 7 == 1:
-                        self.sample.append(rec.copy() if hasattr(rec, "copy") else _clone(rec))
+                        self.sample.append(_clone(rec))
                     rec.release()
         except BaseException as e:  # surfaced by the main thread
             self.error = e

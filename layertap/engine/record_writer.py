@@ -114,12 +114,11 @@ class WorkerSide:
                 err = register_host(region)
                 if err is None:
                     self.pinned_region = region
-                    self.device_commit = self.device_commit and bool(getattr(self.sink, "device_commit_ok", False))
-                    if self.device_commit:
-                        self.commit_word = self.sink.commit_word().to(view.device)
+                    if self.device_commit and getattr(self.sink, "device_commit_ok", False):
+                        self.commit_word = self.sink.commit_word().to(view.device)  # set: records commit on the device
                     log.info("layertap worker: %d MiB of transport memory page-locked; rows go to it directly; "
                              "records commit %s", region.numel() >> 20,
-                             "on the device (a commit word copied after each payload)" if self.device_commit
+                             "on the device (a commit word copied after each payload)" if self.commit_word is not None
                              else "on the writer thread, after their copies")
                 else:
                     self.direct = False
