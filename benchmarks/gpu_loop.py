@@ -18,8 +18,9 @@ so a run split over several device calls resumes where the last one stopped:
     offline  ``layertap capture`` (generate mode, file dataset) + ``layertap train-offline --kind eagle3``
              with the online run's inputs, steps and batch: wall time of each and the dataset's bytes
     serve    one subprocess per variant (plain, ngram, eagle3, dflash): vLLM ``LLM``, greedy, the held-out
-             prompts at each batch size (one ``generate`` per batch): output tokens/s after a warm-up,
-             mean acceptance length from vLLM's counters, the share of outputs equal to plain's
+             prompts at each concurrency b (b requests in flight, a new one entering as one finishes:
+             ``evaluate.timed_decode``): output tokens/s after a warm-up, per-request time per output token
+             (median, p99), mean acceptance length from vLLM's counters, the share of outputs equal to plain's
     report   gpu_loop.json (raw, everything measured), gpu_loop.md and gpu_loop.png in --work/report and --out,
              with gpu_loop.log and gpu_loop_logs.tar.gz (every stage's log) beside them in --out
 
@@ -138,28 +139,32 @@ class Profile:
 H200 = Profile(
     name="h200", device="cuda",
     # Qwen3-1.7B-like body (24 x 2048, GQA 16/8 heads of 128) with the 2048-token stdlib tokenizer:
-    # 1.2 B parameters, up to 6.6 M training tokens (400 x 32 x 512; ~45 K tok/s expected in bf16 autocast),
+    # 1.2 B parameters, up to 6.6 M training tokens (400 x 32 x 512; ~37 K tok/s measured in bf16 autocast),
     # the loop capped at 150 s so the stage fits one device call with its data preparation.
     target=TargetSpec(model=TinySpec(kind="qwen3", hidden_size=2048, num_layers=24, num_heads=16, num_kv_heads=8,
                                      head_dim=128, intermediate_size=6144, vocab_size=2048),
                       steps=400, batch_size=32, seq_len=512, lr=6e-4, warmup=40),
     target_dtype="bfloat16", target_budget_s=150.0,
-    # 3072 fresh conversations, one pass, 384 steps of 8 records: ~550 K trained tokens per drafter.
-    convs=3072 + 64, holdout=64, capture_max_tokens=128, epochs=1, max_inflight=64, shm_slot_mb=4, shm_slots=512,
-    steps=384, batch=8, max_len=512, lr={"eagle3": 1e-3, "dflash": 6e-4}, warmup=30, save_every=96,
+    # 6144 fresh conversations, one pass, 768 steps of 8 records (~1.4 M trained tokens per drafter). The
+    # first H200 run (256 steps) spent 80 s of its 120 s span waiting for the engine and its trainer sat
+    # idle 39% of the rest at 50 records/s from 64 in flight, so 3x the steps cost ~1.5 min, not 3x: the
+    # engine now runs 128 in flight. Evaluations (engine starts) at 384 and 768 only.
+    convs=6144 + 160, holdout=160, capture_max_tokens=128, epochs=1, max_inflight=128, shm_slot_mb=4, shm_slots=512,
+    steps=768, batch=8, max_len=512, lr={"eagle3": 1e-3, "dflash": 6e-4}, warmup=30, save_every=192,
     ttt_steps=4, num_spec=4, block_size=8, dflash_layers=2,
-    eval_every={"eagle3": 128, "dflash": 128}, eval_prompts=16, eval_max_tokens=64, eval_kv_mb=2048,
-    engine={"gpu_memory_utilization": 0.2, "max_model_len": 1024, "max_num_seqs": 64},
+    eval_every={"eagle3": 384, "dflash": 384}, eval_prompts=16, eval_max_tokens=64, eval_kv_mb=2048,
+    engine={"gpu_memory_utilization": 0.2, "max_model_len": 1024, "max_num_seqs": 128},
     serve_engine={"gpu_memory_utilization": 0.4, "max_model_len": 1024, "max_num_seqs": 32},
-    serve_batches=(1, 8, 32), serve_prompts={1: 16, 8: 32, 32: 64}, serve_max_tokens=128, serve_repeats=2,
-    # Seconds on an H200 (16 cores), from the parts measured there (gpu.md: import vllm ~16 s, LLM() ~20 s eager
-    # / ~36 s compiled; one engine start per capture, three eager ones per final evaluation).
-    estimates={"target": 240, "eagle3": 280, "dflash": 270, "offline": 200, "serve": 95, "report": 15},
+    # b requests in flight (continuous batching); enough prompts that the drain at the end is a small part.
+    serve_batches=(1, 8, 32), serve_prompts={1: 16, 8: 64, 32: 160}, serve_max_tokens=128, serve_repeats=2,
+    # Seconds on an H200 (16 cores), from the first loop run there (stage walls: target 141 s at a 100 s
+    # budget, eagle3 341 s at 256 steps, a serve variant 86-113 s).
+    estimates={"target": 200, "eagle3": 400, "dflash": 400, "offline": 200, "serve": 110, "report": 15},
     memory_plan=(
         "One H200 (~140 GiB) holds three kinds of process during an online run. The capture engine reserves "
         "gpu_memory_utilization 0.2 (~28 GiB): bf16 weights 2.3 GiB, CUDA graphs and activations a few GiB, "
         "the rest KV cache, where the capture planes live too (96 KiB KV + 16 KiB planes per token: ~200 K "
-        "tokens, 3x what 64 requests of <= 1024 tokens in flight need); more KV would not capture faster. "
+        "tokens, 1.5x what 128 requests of <= 1024 tokens in flight need); more KV would not capture faster. "
         "The trainer allocates beside it what the drafter needs (weights + AdamW state ~1.3 GiB, activations "
         "of 8 x 512-token batches). Each evaluation engine (one at a time, eager) takes its weights + a 2 GiB "
         "KV cache (eval.kv_cache_mb), passing vLLM's start-up check with gpu_memory_utilization 0.05. None is "
@@ -926,6 +931,8 @@ def serve_summary(run: Run, variants: tuple[str, ...]) -> dict[str, Any]:
             "speedup_range": {k: [min(per_rep[k]) / max(plain_rep[k]), max(per_rep[k]) / min(plain_rep[k])]
                               for k in per_rep},
             "outputs_equal_plain": eq,
+            "tpot_ms_median": {k: x.get("tpot_ms_median") for k, x in b.items()},
+            "tpot_ms_p99": {k: x.get("tpot_ms_p99") for k, x in b.items()},
             "output_tokens": {k: x["output_tokens"][0] for k, x in b.items()},
             "acceptance_length": r.get("acceptance_length"), "per_position": r.get("per_pos"),
             "acceptance_length_by_batch": {k: x["acceptance"]["mean_acceptance_length"] for k, x in b.items()
@@ -954,6 +961,7 @@ def summary(run: Run, variants: tuple[str, ...]) -> dict[str, Any]:
         return {"acceptance_length": s.get("acceptance_length"), "speedup": s.get("speedup", {}),
                 "output_tokens_per_s": s.get("output_tokens_per_s", {}), "speedup_range": s.get("speedup_range", {}),
                 "outputs_equal_plain": s.get("outputs_equal_plain", {}),
+                "tpot_ms_median": s.get("tpot_ms_median", {}), "tpot_ms_p99": s.get("tpot_ms_p99", {}),
                 "acceptance_length_by_batch": s.get("acceptance_length_by_batch", {}),
                 "per_position": s.get("per_position"), "num_speculative_tokens": s.get("num_speculative_tokens"),
                 "model_runner": s.get("model_runner"), "engine_start_s": s.get("engine_start_s")}
@@ -1023,7 +1031,7 @@ def write_markdown(path: Path, j: dict[str, Any]) -> None:
               f"final training loss {t['final_loss']:.3f} after {t['steps_done']}/{t['steps']} steps"
               + (" (cached)" if t.get("cached") else f" in {fmt(t['train_s'], 0)} s, {fmt(t['train_tokens_per_s'], 0)} "
                  f"tok/s, MFU {fmt(t['train_mfu'])}"), ""]
-    L += ["## Serving (greedy, held-out prompts; output tokens/s after a warm-up)", "",
+    L += ["## Serving (greedy, held-out prompts, b requests in flight; output tokens/s after a warm-up)", "",
           "| variant | runner | mean acceptance length | " + " | ".join(f"tok/s b={k}" for k in keys) + " | "
           + " | ".join(f"speed-up b={k}" for k in keys) + " | outputs == plain |",
           "|---|---|---|" + "---|" * (2 * len(keys)) + "---|"]
@@ -1039,6 +1047,13 @@ def write_markdown(path: Path, j: dict[str, Any]) -> None:
                  + " | ".join(f"{fmt(s['speedup'].get(k), 2)}" + (f" ({rng[k][0]:.2f}-{rng[k][1]:.2f})" if k in rng and
                                                                    len(set(rng[k])) > 1 else "") for k in keys)
                  + f" | {eq} |")
+    L += ["", "Time per output token of a request (first to last token), median / p99 ms:", "",
+          "| variant | " + " | ".join(f"b={k}" for k in keys) + " |", "|---|" + "---|" * len(keys)]
+    for v in ("plain", "ngram", "eagle3", "dflash", *[k for k in OPTIONAL_VARIANTS if k in j]):
+        s = j.get(v) or {}
+        med, p99 = s.get("tpot_ms_median") or {}, s.get("tpot_ms_p99") or {}
+        if med:
+            L.append(f"| {v} | " + " | ".join(f"{fmt(med.get(k), 2)} / {fmt(p99.get(k), 2)}" for k in keys) + " |")
     L += ["", f"Goals: {j['goals']}", f"Plain's own outputs at batch b equal to batch {keys[0]}: "
           f"{j.get('plain_batch_invariance')}", "", "## Online training (`layertap train`, engine and trainer on one "
           "device, records over shm)", "",

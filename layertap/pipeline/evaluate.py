@@ -40,34 +40,84 @@ def drafter_only(target: str, drafters: dict[str, dict[str, Any]], prompts: list
 
 
 def timed_decode(llm: Any, prompts: list[list[int]], *, batch_size: int, max_tokens: int,
-                 repeats: int = 1, speculative: bool = True) -> dict[str, Any]:
-    """Greedy decoding of ``prompts`` in consecutive batches of ``batch_size`` (one ``generate`` call per
-    batch, so at most ``batch_size`` requests are in flight), ``repeats`` times. Returns the outputs (token
-    ids per prompt, from the first repeat), the seconds each repeat took, the output tokens per repeat,
-    output tokens/s (all repeats), and, when ``speculative``, vLLM's acceptance over all repeats from its
-    own counters (``spec_result``; the engine needs ``disable_log_stats=False``)."""
+                 repeats: int = 1, speculative: bool = True, step_timeout_s: float = 120.0) -> dict[str, Any]:
+    """Greedy decoding of ``prompts`` with ``batch_size`` requests in flight: a new request enters as soon
+    as one finishes (continuous batching, as a server at that concurrency sees it), ``repeats`` times.
+
+    Consecutive ``generate`` calls of ``batch_size`` prompts would instead time each batch by its slowest
+    request; with speculation the requests of a batch finish far apart (their acceptance differs), so a
+    batch ran mostly with one or two requests left and the number measured the tail, not the batch size.
+
+    Returns the outputs (token ids per prompt, in prompt order, from the first repeat), the seconds each
+    repeat took, its output tokens, output tokens/s (all repeats), per-request decode time per output token
+    (first to last token; median and p99 in ms), and, when ``speculative``, vLLM's acceptance over all
+    repeats from its own counters (``spec_result``; the engine needs ``disable_log_stats=False``). A step
+    that returns nothing for ``step_timeout_s`` while requests are open is an error, not a wait."""
+    import statistics
+
     from vllm import SamplingParams
 
     from layertap.train.eval import _snapshot, spec_result
 
+    if batch_size < 1 or not prompts:
+        raise ValueError(f"timed_decode needs batch_size >= 1 and prompts (got {batch_size}, {len(prompts)})")
+    engine = llm.llm_engine
+    if engine.has_unfinished_requests():
+        raise RuntimeError("timed_decode: the engine already has unfinished requests")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     before = _snapshot(llm) if speculative else None
     outputs: list[list[int]] = []
-    seconds, tokens = [], []
+    seconds, tokens, tpot_ms = [], [], []
     for r in range(repeats):
-        t0, n = time.perf_counter(), 0
-        for i in range(0, len(prompts), batch_size):
-            chunk = [{"prompt_token_ids": list(p)} for p in prompts[i : i + batch_size]]
-            outs = llm.generate(chunk, params, use_tqdm=False)
-            ids = [list(o.outputs[0].token_ids) for o in outs]
-            n += sum(len(x) for x in ids)
-            if r == 0:
-                outputs += ids
+        ids: dict[int, list[int]] = {}
+        first: dict[str, float] = {}
+        index: dict[str, int] = {}
+        nxt = 0
+
+        def admit() -> None:
+            nonlocal nxt
+            name = f"td-{r}-{nxt}"
+            # Outputs carry the id given here; add_request returns vLLM's internal one (a suffix added).
+            internal = engine.add_request(name, {"prompt_token_ids": list(prompts[nxt])}, params)
+            index[name] = index[internal] = nxt
+            nxt += 1
+
+        t0 = time.perf_counter()
+        while nxt < min(batch_size, len(prompts)):
+            admit()
+        idle_since = time.monotonic()
+        while len(ids) < len(prompts):
+            step = engine.step()
+            now = time.perf_counter()
+            if step:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > step_timeout_s:
+                raise TimeoutError(f"timed_decode: no output for {step_timeout_s:.0f} s with "
+                                   f"{len(prompts) - len(ids)} requests open")
+            for out in step:
+                rid = out.request_id
+                if rid not in index:
+                    raise RuntimeError(f"timed_decode: output for a request it did not add: {rid!r}")
+                if rid not in first and out.outputs and len(out.outputs[0].token_ids) > 0:
+                    first[rid] = now
+                if out.finished:
+                    toks = list(out.outputs[0].token_ids)
+                    ids[index[rid]] = toks
+                    if len(toks) > 1 and rid in first:
+                        tpot_ms.append(1e3 * (now - first[rid]) / (len(toks) - 1))
+                    if nxt < len(prompts):
+                        admit()
         seconds.append(time.perf_counter() - t0)
-        tokens.append(n)
-    res: dict[str, Any] = {"batch_size": batch_size, "num_prompts": len(prompts), "max_tokens": max_tokens,
-                           "repeats": repeats, "seconds": seconds, "output_tokens": tokens,
-                           "output_tokens_per_s": sum(tokens) / max(sum(seconds), 1e-9), "outputs": outputs}
+        tokens.append(sum(len(x) for x in ids.values()))
+        if r == 0:
+            outputs = [ids[i] for i in range(len(prompts))]
+    tpot_sorted = sorted(tpot_ms)
+    res: dict[str, Any] = {
+        "batch_size": batch_size, "mode": "continuous", "num_prompts": len(prompts), "max_tokens": max_tokens,
+        "repeats": repeats, "seconds": seconds, "output_tokens": tokens,
+        "output_tokens_per_s": sum(tokens) / max(sum(seconds), 1e-9), "outputs": outputs,
+        "tpot_ms_median": statistics.median(tpot_sorted) if tpot_sorted else None,
+        "tpot_ms_p99": tpot_sorted[min(len(tpot_sorted) - 1, int(0.99 * len(tpot_sorted)))] if tpot_sorted else None}
     if speculative:
         res["acceptance"] = asdict(spec_result(f"batch {batch_size}", before, _snapshot(llm)))
     return res
