@@ -154,7 +154,10 @@ H200 = Profile(
     ttt_steps=4, num_spec=4, block_size=8, dflash_layers=2,
     eval_every={"eagle3": 384, "dflash": 384}, eval_prompts=16, eval_max_tokens=64, eval_kv_mb=2048,
     engine={"gpu_memory_utilization": 0.2, "max_model_len": 1024, "max_num_seqs": 128},
-    serve_engine={"gpu_memory_utilization": 0.4, "max_model_len": 1024, "max_num_seqs": 32},
+    # No prefix caching while timing: with it, every repeat after the first skipped its prompts' prefill (the
+    # first H200 run's repeats of plain differed by up to 1.39x at b=8).
+    serve_engine={"gpu_memory_utilization": 0.4, "max_model_len": 1024, "max_num_seqs": 32,
+                  "enable_prefix_caching": False},
     # b requests in flight (continuous batching); enough prompts that the drain at the end is a small part.
     serve_batches=(1, 8, 32), serve_prompts={1: 16, 8: 64, 32: 160}, serve_max_tokens=128, serve_repeats=2,
     # Seconds on an H200 (16 cores), from the first loop run there (stage walls: target 141 s at a 100 s
@@ -182,7 +185,7 @@ CPU_TINY = Profile(
     eval_every={"eagle3": 3, "dflash": 0}, eval_prompts=4, eval_max_tokens=16, eval_kv_mb=64,
     engine={},  # layertap train's CPU defaults (eager, 128 MiB KV cache, 1024 context)
     serve_engine={"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024,
-                  "max_num_seqs": 4},
+                  "max_num_seqs": 4, "enable_prefix_caching": False},
     serve_batches=(1, 4), serve_prompts={1: 2, 4: 4}, serve_max_tokens=16, serve_repeats=1,
     estimates={"target": 400, "eagle3": 200, "dflash": 160, "offline": 120, "serve": 60, "report": 15},
     memory_plan="CPU: every engine sizes its KV cache with kv_cache_memory_bytes; no device memory to split.",
@@ -868,7 +871,7 @@ def worker_serve(job_path: str, result_path: str) -> int:
     import gc
 
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     from layertap.pipeline.evaluate import timed_decode
 
@@ -882,11 +885,11 @@ def worker_serve(job_path: str, result_path: str) -> int:
     cfg = getattr(llm.llm_engine, "vllm_config", None)
     v2 = getattr(cfg, "use_v2_model_runner", None)
     prompts, spec = job["prompts"], job["spec"] is not None
-    bmax = max(job["batch_sizes"])
-    # Warm-up: every batch shape once (CUDA graphs are captured at start-up; first calls still pay for lazy
-    # initialisation), none of it timed or counted (timed_decode snapshots the counters itself).
-    llm.generate([{"prompt_token_ids": x} for x in prompts[:bmax]],
-                 SamplingParams(temperature=0.0, max_tokens=min(16, job["max_tokens"])), use_tqdm=False)
+    # Warm-up at every concurrency (CUDA graphs are captured at start-up, but the first steps of a shape still
+    # pay for lazy initialisation; one batch of all prompts stopping together never runs a batch of 1),
+    # none of it timed or counted (timed_decode snapshots the counters itself).
+    for b in job["batch_sizes"]:
+        timed_decode(llm, prompts[:b], batch_size=b, max_tokens=min(16, job["max_tokens"]), speculative=False)
     res: dict[str, Any] = {"variant": job["variant"], "vllm_version": vllm.__version__, "engine_start_s": round(start_s, 1),
                            "model_runner": None if v2 is None else ("V2" if v2 else "V1"), "spec": job["spec"],
                            "engine": job["engine"], "batches": {}}

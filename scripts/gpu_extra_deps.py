@@ -16,7 +16,7 @@ from pathlib import Path
 
 # import name -> distribution name where they differ
 DIST = {"PIL": "pillow", "multipart": "python_multipart", "python_multipart": "python_multipart", "yaml": "pyyaml",
-        "dotenv": "python_dotenv", "dns": "dnspython", "pythonjsonlogger": "python_json_logger",
+        "dotenv": "python_dotenv", "jwt": "pyjwt", "dns": "dnspython", "pythonjsonlogger": "python_json_logger",
         "cpuinfo": "py_cpuinfo", "attr": "attrs", "rpds": "rpds_py", "google": "protobuf",
         "opentelemetry": "opentelemetry_api", "importlib_metadata": "importlib_metadata", "jinja2": "jinja2",
         "markupsafe": "markupsafe", "charset_normalizer": "charset_normalizer", "typing_extensions": "typing_extensions"}
