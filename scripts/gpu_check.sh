@@ -80,7 +80,7 @@ if [ "$phase" = bench-tp2 ] || { [ "$phase" = all ] && [ "$(python3 -c 'import t
 fi
 if [ "$phase" = serve ]; then  # layertap serve --capture-all vs vllm serve under `vllm bench serve`
   # vLLM's API server and load generator need packages the lean bundle leaves out: carry their wheels in
-  # .gpubundle/serve (see RESULTS.md for the list) and install what the imports miss.
+  # .gpubundle/serve (scripts/build-serve-wheels.sh) and install what the imports miss.
   python3 scripts/gpu_extra_deps.py .gpubundle/serve vllm.entrypoints.openai.api_server vllm.benchmarks.serve 2>&1 \
     | tee "$OUT/serve_deps.log" | tail -4
   rc=${PIPESTATUS[0]}
