@@ -17,8 +17,10 @@ so a run split over several device calls resumes where the last one stopped:
     dflash   the same for DFlash
     offline  ``layertap capture`` (generate mode, file dataset) + ``layertap train-offline --kind eagle3``
              with the online run's inputs, steps and batch: wall time of each and the dataset's bytes
-    serve    one subprocess per variant (plain, ngram, eagle3, dflash): vLLM ``LLM``, greedy, the held-out
-             prompts at each concurrency b (b requests in flight, a new one entering as one finishes:
+    serve    one worker process per variant (plain, ngram, eagle3, dflash), all engines alive at once and
+             timed in interleaved rounds (each round: every concurrency on every variant back to back), so a
+             speed-up is the median of per-round ratios. vLLM ``LLM``, greedy, the held-out prompts at each
+             concurrency b (b requests in flight, a new one entering as one finishes:
              ``evaluate.timed_decode``): output tokens/s after a warm-up, per-request time per output token
              (median, p99), mean acceptance length from vLLM's counters, the share of outputs equal to plain's
     report   gpu_loop.json (raw, everything measured), gpu_loop.md and gpu_loop.png in --work/report and --out,
@@ -154,15 +156,18 @@ H200 = Profile(
     ttt_steps=4, num_spec=4, block_size=8, dflash_layers=2,
     eval_every={"eagle3": 384, "dflash": 384}, eval_prompts=16, eval_max_tokens=64, eval_kv_mb=2048,
     engine={"gpu_memory_utilization": 0.2, "max_model_len": 1024, "max_num_seqs": 128},
-    # No prefix caching while timing: with it, every repeat after the first skipped its prompts' prefill (the
-    # first H200 run's repeats of plain differed by up to 1.39x at b=8).
-    serve_engine={"gpu_memory_utilization": 0.4, "max_model_len": 1024, "max_num_seqs": 32,
-                  "enable_prefix_caching": False},
+    # The four serving engines are alive at once (stage_serve), so each gets a fixed KV cache (6 GiB: ~60 K
+    # tokens of target + drafter KV, 32 requests of <= 1024 need <= 33 K), which also skips vLLM's memory
+    # profiling (engines starting together would see each other's allocations); utilization 0.1 only feeds
+    # the start-up check. No prefix caching while timing: with it, every repeat after the first skipped its
+    # prompts' prefill (the second H200 run's repeats of plain differed by up to 1.39x at b=8).
+    serve_engine={"kv_cache_memory_bytes": 6 << 30, "gpu_memory_utilization": 0.1, "max_model_len": 1024,
+                  "max_num_seqs": 32, "enable_prefix_caching": False},
     # b requests in flight (continuous batching); enough prompts that the drain at the end is a small part.
     serve_batches=(1, 8, 32), serve_prompts={1: 16, 8: 64, 32: 160}, serve_max_tokens=128, serve_repeats=2,
     # Seconds on an H200 (16 cores), from the first loop run there (stage walls: target 141 s at a 100 s
     # budget, eagle3 341 s at 256 steps, a serve variant 86-113 s).
-    estimates={"target": 200, "eagle3": 400, "dflash": 400, "offline": 200, "serve": 110, "report": 15},
+    estimates={"target": 200, "eagle3": 400, "dflash": 400, "offline": 200, "serve": 300, "report": 15},
     memory_plan=(
         "One H200 (~140 GiB) holds three kinds of process during an online run. The capture engine reserves "
         "gpu_memory_utilization 0.2 (~28 GiB): bf16 weights 2.3 GiB, CUDA graphs and activations a few GiB, "
@@ -171,7 +176,8 @@ H200 = Profile(
         "The trainer allocates beside it what the drafter needs (weights + AdamW state ~1.3 GiB, activations "
         "of 8 x 512-token batches). Each evaluation engine (one at a time, eager) takes its weights + a 2 GiB "
         "KV cache (eval.kv_cache_mb), passing vLLM's start-up check with gpu_memory_utilization 0.05. None is "
-        "capped by another, and ~100 GiB stay free. Serving runs one engine at a time at 0.4."),
+        "capped by another, and ~100 GiB stay free. Serving runs its four engines at once, each with a 6 GiB KV "
+        "cache."),
 )
 
 CPU_TINY = Profile(
@@ -186,8 +192,8 @@ CPU_TINY = Profile(
     engine={},  # layertap train's CPU defaults (eager, 128 MiB KV cache, 1024 context)
     serve_engine={"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024,
                   "max_num_seqs": 4, "enable_prefix_caching": False},
-    serve_batches=(1, 4), serve_prompts={1: 2, 4: 4}, serve_max_tokens=16, serve_repeats=1,
-    estimates={"target": 400, "eagle3": 200, "dflash": 160, "offline": 120, "serve": 60, "report": 15},
+    serve_batches=(1, 4), serve_prompts={1: 2, 4: 4}, serve_max_tokens=16, serve_repeats=2,
+    estimates={"target": 400, "eagle3": 200, "dflash": 160, "offline": 120, "serve": 200, "report": 15},
     memory_plan="CPU: every engine sizes its KV cache with kv_cache_memory_bytes; no device memory to split.",
 )
 
@@ -817,57 +823,209 @@ def serve_spec(run: Run, variant: str) -> tuple[dict[str, Any] | None, dict[str,
     return speculative_config(src, p.num_spec if kind == "eagle3" else None), {}, None
 
 
+SERVE_MSG = "@@layertap-serve "
+"""Prefix of the serve workers' protocol lines on stdout (vLLM logs to the same stream)."""
+SERVE_STEP_TIMEOUT_S = 600.0
+"""Longest a serve worker may take to start its engine, or to time one concurrency once."""
+
+
+class ServeWorker:
+    """One serving variant's engine in its own process (vLLM's counters are process-global), alive for the
+    whole stage and driven over stdin/stdout: ``{"batch": b}`` times b in flight once and answers."""
+
+    def __init__(self, run: Run, variant: str, job: Path, result: Path, env: dict[str, str]) -> None:
+        import queue
+
+        self.variant, self.result = variant, result
+        self.logp = run.work / "logs" / f"serve-{variant}.log"
+        self.logf = open(self.logp, "a", encoding="utf-8")
+        self.logf.write(f"\n==== {datetime.now(timezone.utc).isoformat()} serve worker {variant}\n")
+        self.proc = subprocess.Popen([sys.executable, __file__, "_worker", "serve", str(job), str(result)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, bufsize=1, env=env, cwd=REPO, start_new_session=True,
+                                     errors="replace")
+        self.msgs: queue.Queue = queue.Queue()
+        self.pump = threading.Thread(target=self._pump, daemon=True)
+        self.pump.start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            self.logf.write(line)
+            if line.startswith(SERVE_MSG):
+                self.msgs.put(json.loads(line[len(SERVE_MSG):]))
+        self.logf.flush()
+        self.msgs.put(None)  # end of output: the worker exited
+
+    def ask(self, cmd: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
+        """Send ``cmd`` (None: only wait) and return the worker's next message; a worker that exits or does
+        not answer within ``timeout`` s is a named error (and is stopped)."""
+        import queue
+
+        if cmd is not None:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")  # type: ignore[union-attr]
+            self.proc.stdin.flush()  # type: ignore[union-attr]
+        try:
+            msg = self.msgs.get(timeout=timeout)
+        except queue.Empty:
+            self.stop()
+            raise TimeoutError(f"serve {self.variant}: no answer to {cmd} within {timeout:.0f} s") from None
+        if msg is None:
+            rc = self.proc.wait(30)
+            raise RuntimeError(f"serve {self.variant}: the worker exited ({rc}) before answering {cmd}; "
+                               f"see {self.logp}")
+        if "error" in msg:
+            raise RuntimeError(f"serve {self.variant}: {msg['error']}")
+        return msg
+
+    def finish(self, timeout: float) -> int:
+        try:
+            self.ask({"op": "quit"}, timeout)
+        finally:
+            rc = self.stop(grace=timeout)
+        return rc
+
+    def stop(self, grace: float = 10.0) -> int:
+        """Wait ``grace`` s for the worker to exit, else stop its process group; idempotent."""
+        try:
+            rc = self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            rc = _stop_group(self.proc)
+        try:  # whatever of its group outlived it (vLLM's engine core holds the same stdout)
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.pump.join(10)
+        if not self.logf.closed and not self.pump.is_alive():
+            self.logf.close()
+        return rc
+
+
 def stage_serve(run: Run, variants: tuple[str, ...]) -> None:
-    """One subprocess per variant; a variant's result (or failure) is kept, so a later call runs only the
-    rest. A drafter variant whose export does not exist yet waits (the stage stays open); a failed one is
-    not retried (delete WORK/serve/VARIANT.failed to retry it)."""
+    """Every variant's engine alive at once, each in its own worker process, timed in interleaved rounds:
+    a round measures each concurrency on every variant back to back (the order rotated each round), so each
+    speed-up is a ratio of two measurements made seconds apart, not minutes or an engine start apart. A
+    drafter variant whose export does not exist yet defers the stage; one whose stage failed is left out; a
+    variant whose worker fails is marked failed and the others go on (plain must not fail)."""
     p, target = run.profile, target_path(run)
     data = ensure_data(run, target)
     d = run.work / "serve"
     d.mkdir(exist_ok=True)
-    waiting, source = [], {"eagle3": "eagle3", "dflash": "dflash", "eagle3-offline": "offline"}
+    waiting, ready, source = [], [], {"eagle3": "eagle3", "dflash": "dflash", "eagle3-offline": "offline"}
+    prompts = json.loads(Path(data["serve_prompts"]).read_text())
     for v in variants:
-        res_p, bad_p = d / f"{v}.json", d / f"{v}.failed"
-        if res_p.exists() or bad_p.exists():
-            run.log(f"serve {v}: {'done' if res_p.exists() else 'FAILED'} earlier, skipped")
-            continue
         spec, env, why = serve_spec(run, v)
         if why and run.state["steps"].get(source.get(v, ""), {}).get("status") == "failed":
             run.log(f"serve {v}: left out: its drafter's stage failed ({why})")
-            continue
-        if why:
+        elif why:
             run.log(f"serve {v}: waits: {why}")
             waiting.append(v)
-            continue
-        run.need(f"serve {v}", p.estimates["serve"])
-        job = {"variant": v, "target": target, "spec": spec, "engine": p.serve_engine,
-               "prompts": json.loads(Path(data["serve_prompts"]).read_text()),
-               "batch_sizes": list(p.serve_batches), "prompts_per_batch": {str(k): n for k, n in p.serve_prompts.items()},
-               "max_tokens": p.serve_max_tokens, "repeats": p.serve_repeats}
-        write_json(d / f"{v}.job.json", job)
-        rc, wall = run.sh(f"serve-{v}", [sys.executable, __file__, "_worker", "serve", str(d / f"{v}.job.json"),
-                                         str(res_p)], env=run.env(env))
-        if rc == 124:
-            raise DeadlineReached(f"serve {v} was stopped at the deadline; it runs again next time")
-        if rc != 0 or not res_p.exists():
-            write_json(bad_p, {"exit": rc, "log": str(run.work / "logs" / f"serve-{v}.log")})
-            run.mark(f"serve-{v}", "failed", wall, f"exit {rc}; see logs/serve-{v}.log")
-            continue
-        run.mark(f"serve-{v}", "done", wall)
-        r = json.loads(res_p.read_text())
-        run.log(f"serve {v}: " + ", ".join(f"b{b} {x['output_tokens_per_s']:.0f} tok/s" for b, x in r["batches"].items())
-                + (f", AL {r['acceptance_length']:.3f}" if r.get("acceptance_length") else "") + f" ({wall:.0f}s)")
-    if not (d / "plain.json").exists():
-        raise StageFailed("serve: the plain baseline did not run")
+        else:
+            ready.append((v, spec, env))
     if waiting:
         raise Deferred(f"serve: {', '.join(waiting)} wait for their drafters' stages")
+    if "plain" not in [v for v, _, _ in ready]:
+        raise StageFailed("serve: the plain baseline is not among the variants")
+    run.need("serve", p.estimates["serve"])
+    workers: dict[str, ServeWorker] = {}
+    failed: dict[str, str] = {}
+    t0 = time.monotonic()
+    try:
+        for v, spec, env in ready:
+            job = {"variant": v, "target": target, "spec": spec, "engine": p.serve_engine, "prompts": prompts,
+                   "batch_sizes": list(p.serve_batches),
+                   "prompts_per_batch": {str(k): n for k, n in p.serve_prompts.items()},
+                   "max_tokens": p.serve_max_tokens}
+            write_json(d / f"{v}.job.json", job)
+            (d / f"{v}.json").unlink(missing_ok=True)
+            # Engines compiling at the same moment get their own compile caches (no two writers of one entry).
+            cache = {"VLLM_CACHE_ROOT": str(run.work / "vllm-cache" / f"serve-{v}")}
+            workers[v] = ServeWorker(run, v, d / f"{v}.job.json", d / f"{v}.json", run.env({**env, **cache}))
+        run.log(f"serve: {len(workers)} engines starting at once: {', '.join(workers)}")
+        for v, w in list(workers.items()):  # all start together; wait for each in turn
+            try:
+                m = w.ask(None, min(SERVE_STEP_TIMEOUT_S, max(run.left() - GRACE_S, 1.0)))
+                run.log(f"serve {v}: engine ready after {time.monotonic() - t0:.0f}s (runner {m.get('model_runner')})")
+            except Exception as e:
+                failed[v] = str(e)
+                workers.pop(v).stop()
+                run.log(f"serve {v}: FAILED at start: {e}")
+        if "plain" not in workers:
+            raise StageFailed(f"serve: the plain baseline failed: {failed.get('plain')}")
+        names = list(workers)
+        for r in range(p.serve_repeats):
+            for b in p.serve_batches:
+                order = names[r % len(names):] + names[: r % len(names)]
+                line = []
+                for v in order:
+                    if v not in workers:
+                        continue
+                    if run.deadline_s is not None and run.left() < GRACE_S:
+                        raise DeadlineReached("serve stopped at the deadline; the whole stage runs again next time")
+                    try:
+                        m = workers[v].ask({"batch": b}, SERVE_STEP_TIMEOUT_S)
+                        line.append(f"{v} {m['output_tokens_per_s']:.0f}")
+                    except Exception as e:
+                        failed[v] = str(e)
+                        workers.pop(v).stop()
+                        run.log(f"serve {v}: FAILED at b={b}: {e}")
+                run.log(f"serve round {r + 1}/{p.serve_repeats} b={b}: " + ", ".join(line) + " tok/s")
+        for v, w in list(workers.items()):
+            try:
+                rc = w.finish(120)
+                if rc != 0 or not (d / f"{v}.json").exists():
+                    raise RuntimeError(f"exit {rc}, no result file")
+            except Exception as e:
+                failed[v] = str(e)
+            workers.pop(v)
+    finally:
+        for w in workers.values():
+            w.stop(grace=0.1)
+    wall = time.monotonic() - t0
+    for v, why in failed.items():
+        write_json(d / f"{v}.failed", {"error": why, "log": str(run.work / "logs" / f"serve-{v}.log")})
+        run.mark(f"serve-{v}", "failed", wall, why)
+    if "plain" in failed:
+        raise StageFailed(f"serve: the plain baseline failed: {failed['plain']}")
+    for v, _, _ in ready:
+        if v not in failed:
+            run.mark(f"serve-{v}", "done", wall)
+            r = json.loads((d / f"{v}.json").read_text())
+            run.log(f"serve {v}: " + ", ".join(f"b{b} {x['output_tokens_per_s']:.0f} tok/s" for b, x in r["batches"].items())
+                    + (f", AL {r['acceptance_length']:.3f}" if r.get("acceptance_length") else ""))
     run.save_result("serve", serve_summary(run, variants))
-    failed = [v for v in variants if (d / f"{v}.failed").exists()]
     if failed:
         raise StageFailed(f"serve: {', '.join(failed)} failed (logs/serve-VARIANT.log)")
 
 
+def _merge_decodes(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One concurrency's single-repeat ``timed_decode`` results (one per round) as one result: seconds and
+    output tokens per round, outputs of the first, acceptance summed over all."""
+    import statistics
+
+    first = runs[0]
+    res = {**{k: first[k] for k in ("batch_size", "mode", "num_prompts", "max_tokens", "outputs")},
+           "repeats": len(runs), "seconds": [x["seconds"][0] for x in runs],
+           "output_tokens": [x["output_tokens"][0] for x in runs]}
+    res["output_tokens_per_s"] = sum(res["output_tokens"]) / max(sum(res["seconds"]), 1e-9)
+    med = [x["tpot_ms_median"] for x in runs if x.get("tpot_ms_median") is not None]
+    p99 = [x["tpot_ms_p99"] for x in runs if x.get("tpot_ms_p99") is not None]
+    res["tpot_ms_median"] = statistics.median(med) if med else None
+    res["tpot_ms_p99"] = max(p99) if p99 else None
+    if "acceptance" in first:
+        drafts = sum(x["acceptance"]["drafts"] for x in runs)
+        accepted = sum(x["acceptance"]["accepted"] for x in runs)
+        k = max(len(x["acceptance"]["per_pos"]) for x in runs)
+        per_pos = [sum(x["acceptance"]["per_pos"][i] * x["acceptance"]["drafts"] for x in runs
+                       if i < len(x["acceptance"]["per_pos"])) / max(drafts, 1) for i in range(k)]
+        res["acceptance"] = {**first["acceptance"], "drafts": drafts, "accepted": accepted, "per_pos": per_pos,
+                             "draft_tokens": sum(x["acceptance"].get("draft_tokens", 0) for x in runs),
+                             "mean_acceptance_length": 1.0 + accepted / max(drafts, 1)}
+    return res
+
+
 def worker_serve(job_path: str, result_path: str) -> int:
+    """A serve worker (``ServeWorker``): start the engine, warm up, answer SERVE_MSG lines to the commands
+    on stdin, write the merged results to ``result_path`` on ``{"op": "quit"}``."""
     import gc
 
     import vllm
@@ -875,12 +1033,19 @@ def worker_serve(job_path: str, result_path: str) -> int:
 
     from layertap.pipeline.evaluate import timed_decode
 
+    def say(obj: dict[str, Any]) -> None:
+        print(SERVE_MSG + json.dumps(obj), flush=True)
+
     job = json.loads(Path(job_path).read_text())
     kw = {**job["engine"], "disable_log_stats": False}
     if job["spec"] is not None:
         kw["speculative_config"] = job["spec"]
     t0 = time.monotonic()
-    llm = LLM(model=job["target"], **kw)
+    try:
+        llm = LLM(model=job["target"], **kw)
+    except Exception as e:
+        say({"error": f"engine start failed: {type(e).__name__}: {e}"})
+        raise
     start_s = time.monotonic() - t0
     cfg = getattr(llm.llm_engine, "vllm_config", None)
     v2 = getattr(cfg, "use_v2_model_runner", None)
@@ -893,11 +1058,24 @@ def worker_serve(job_path: str, result_path: str) -> int:
     res: dict[str, Any] = {"variant": job["variant"], "vllm_version": vllm.__version__, "engine_start_s": round(start_s, 1),
                            "model_runner": None if v2 is None else ("V2" if v2 else "V1"), "spec": job["spec"],
                            "engine": job["engine"], "batches": {}}
-    for b in job["batch_sizes"]:
+    say({"ready": True, "engine_start_s": res["engine_start_s"], "model_runner": res["model_runner"]})
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("op") == "quit":
+            break
+        b = int(cmd["batch"])
         n = int(job["prompts_per_batch"][str(b)])
-        res["batches"][str(b)] = timed_decode(llm, prompts[:n], batch_size=b, max_tokens=job["max_tokens"],
-                                              repeats=job["repeats"], speculative=spec)
-    if spec:
+        try:
+            r = timed_decode(llm, prompts[:n], batch_size=b, max_tokens=job["max_tokens"], repeats=1,
+                             speculative=spec)
+        except Exception as e:
+            say({"error": f"b={b}: {type(e).__name__}: {e}"})
+            raise
+        runs.setdefault(str(b), []).append(r)
+        say({"batch": b, "output_tokens_per_s": r["output_tokens_per_s"], "seconds": r["seconds"][0]})
+    res["batches"] = {b: _merge_decodes(x) for b, x in runs.items()}
+    if spec and res["batches"]:
         acc = [x["acceptance"] for x in res["batches"].values()]
         drafts, accepted = sum(a["drafts"] for a in acc), sum(a["accepted"] for a in acc)
         k = max(len(a["per_pos"]) for a in acc)
@@ -906,6 +1084,7 @@ def worker_serve(job_path: str, result_path: str) -> int:
                           for i in range(k)]
         res["drafts"], res["accepted"] = drafts, accepted
     write_json(Path(result_path), res)
+    say({"done": True})
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception:  # the process exits next; vLLM's own atexit stops the engine too
@@ -916,6 +1095,8 @@ def worker_serve(job_path: str, result_path: str) -> int:
 
 
 def serve_summary(run: Run, variants: tuple[str, ...]) -> dict[str, Any]:
+    import statistics
+
     d = run.work / "serve"
     res = {v: json.loads((d / f"{v}.json").read_text()) for v in variants if (d / f"{v}.json").exists()}
     plain = res["plain"]["batches"]
@@ -930,9 +1111,11 @@ def serve_summary(run: Run, variants: tuple[str, ...]) -> dict[str, Any]:
         out["variants"][v] = {
             "model_runner": r["model_runner"], "engine_start_s": r["engine_start_s"], "vllm_version": r["vllm_version"],
             "output_tokens_per_s": tok_s, "output_tokens_per_s_by_repeat": per_rep,
-            "speedup": {k: tok_s[k] / plain[k]["output_tokens_per_s"] for k in tok_s},
-            "speedup_range": {k: [min(per_rep[k]) / max(plain_rep[k]), max(per_rep[k]) / min(plain_rep[k])]
-                              for k in per_rep},
+            # Round r of a variant was timed right beside round r of plain (stage_serve): ratios per round.
+            "speedup_by_round": {k: [x / y for x, y in zip(per_rep[k], plain_rep[k])] for k in per_rep},
+            "speedup": {k: statistics.median([x / y for x, y in zip(per_rep[k], plain_rep[k])]) for k in per_rep},
+            "speedup_range": {k: [min(x / y for x, y in zip(per_rep[k], plain_rep[k])),
+                                  max(x / y for x, y in zip(per_rep[k], plain_rep[k]))] for k in per_rep},
             "outputs_equal_plain": eq,
             "tpot_ms_median": {k: x.get("tpot_ms_median") for k, x in b.items()},
             "tpot_ms_p99": {k: x.get("tpot_ms_p99") for k, x in b.items()},
@@ -963,6 +1146,7 @@ def summary(run: Run, variants: tuple[str, ...]) -> dict[str, Any]:
         s = sv.get(v, {})
         return {"acceptance_length": s.get("acceptance_length"), "speedup": s.get("speedup", {}),
                 "output_tokens_per_s": s.get("output_tokens_per_s", {}), "speedup_range": s.get("speedup_range", {}),
+                "speedup_by_round": s.get("speedup_by_round", {}),
                 "outputs_equal_plain": s.get("outputs_equal_plain", {}),
                 "tpot_ms_median": s.get("tpot_ms_median", {}), "tpot_ms_p99": s.get("tpot_ms_p99", {}),
                 "acceptance_length_by_batch": s.get("acceptance_length_by_batch", {}),

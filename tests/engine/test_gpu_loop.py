@@ -62,6 +62,22 @@ def test_summary_has_every_required_number(loop: tuple[Path, Path, dict]) -> Non
         assert s["model_runner"] in ("V1", "V2")
     assert all(_positive(v) for v in j["plain"]["output_tokens_per_s"].values())
     assert j["plain"]["speedup"] == {b: 1.0 for b in BATCHES}
+
+
+def test_serving_is_paired_and_greedy_outputs_equal_plain(loop: tuple[Path, Path, dict]) -> None:
+    """All four engines alive at once, timed in two interleaved rounds: each speed-up is the median of two
+    per-round ratios. In float32 (the CPU profile) speculative decoding must not change a greedy output."""
+    work, _, j = loop
+    log = (work / "gpu_loop.log").read_text()
+    for name in ("ngram", "eagle3", "dflash"):
+        rounds = j[name]["speedup_by_round"]
+        assert sorted(rounds) == BATCHES and all(len(r) == 2 for r in rounds.values()), (name, rounds)
+        for b in BATCHES:
+            lo, hi = j[name]["speedup_range"][b]
+            assert lo <= j[name]["speedup"][b] <= hi and [lo, hi] == [min(rounds[b]), max(rounds[b])]
+        assert j[name]["outputs_equal_plain"] == {b: 1.0 for b in BATCHES}, (name, j[name]["outputs_equal_plain"])
+    assert j["plain_batch_invariance"] == {b: 1.0 for b in BATCHES}
+    assert "4 engines starting at once" in log and "serve round 2/2 b=4" in log
     assert set(j["goals"]) == {"eagle3_speedup_b1_ge_1.5", "eagle3_above_ngram_everywhere", "outputs_equal_plain_all"}
 
 
