@@ -41,6 +41,7 @@ class WorkerSide:
         self.transport_cfg = dict(c._extra["transport"])
         self.compact_cfg = self.transport_cfg.get("compact")
         self.view: torch.Tensor | None = None
+        self.on_cuda = False  # the view is on a CUDA device (set by register)
         self.rank0 = True
         self.sink = None
         self.released: set[str] = set()  # requests whose rows are read (or safely gathered): blocks may go
@@ -93,6 +94,8 @@ class WorkerSide:
         self.ratio = kernel_ratio(self.c._block_size, self.geo.view_block_size)
         self.num_manager_blocks = self.geo.num_blocks // self.ratio
         self.view = view
+        self.dtype_name = str(view.dtype).removeprefix("torch.")  # the records' "dtype" meta
+        self.on_cuda = view.is_cuda
         self.layer_name = name
         self.row_bytes = self.geo.n_planes * self.geo.hidden * view.element_size()
         log.info(
@@ -168,7 +171,7 @@ class WorkerSide:
         if self.error is not None:
             raise RuntimeError(f"layertap writer failed: {self.error}") from self.error
         if isinstance(meta, LayertapMetadata) and self.rank0 and meta.saves:
-            if self.view.is_cuda and not self.skip_reads:
+            if self.on_cuda and not self.skip_reads:
                 self._start_copies_cuda(meta.saves)
             else:
                 for job in meta.saves:
@@ -181,12 +184,13 @@ class WorkerSide:
                  "hidden_states": (self.view.dtype, (job.num_rows, self.geo.n_planes, self.geo.hidden))}
         if job.meta.get("loss_spans") is not None:
             specs["loss_mask"] = (torch.uint8, (job.num_rows,))
-        meta = {**self.run_meta, **job.meta, "dtype": str(self.view.dtype).removeprefix("torch.")}
+        meta = {**self.run_meta, **job.meta, "dtype": self.dtype_name}
         return specs, meta
 
     @staticmethod
     def _fill_small(tensors: dict[str, torch.Tensor], job: SaveJob) -> None:
-        tensors["token_ids"].copy_(torch.tensor(job.token_ids, dtype=torch.int64))
+        if job.num_rows:  # token_ids: host memory of shape (num_rows,), int64 (a transport slot or a CPU tensor)
+            tensors["token_ids"].numpy()[:] = job.token_ids  # filled in place: no temporary tensor per record
         if "loss_mask" in tensors:
             tensors["loss_mask"].zero_()
             for a, b in job.meta["loss_spans"]:
