@@ -35,6 +35,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 from torch.overrides import TorchFunctionMode
@@ -55,7 +56,8 @@ class StepClock:
         self.around = None  # a context-manager factory entered around each step (counting passes)
 
         def step():
-            if self.around is not None:
+            self.n += 1
+            if self.around is not None:  # a counting or profiling pass: not timed
                 with self.around():
                     return self.inner()
             t0 = time.perf_counter()
@@ -63,7 +65,6 @@ class StepClock:
                 return self.inner()
             finally:
                 self.t += time.perf_counter() - t0
-                self.n += 1
 
         engine.step = step
 
@@ -71,7 +72,8 @@ class StepClock:
         self.t, self.n = 0.0, 0
 
 
-ROOTS = ("/layertap/", "/kv_transfer/", "kv_connector")
+ROOTS = ("/layertap/engine/", "/layertap/transport/", "/layertap/records", "/kv_transfer/", "kv_connector")
+"""Files whose functions count as layertap's engine-side work or vLLM's KV-connector plumbing."""
 
 
 def _where(frame) -> str:
@@ -83,8 +85,7 @@ def _where(frame) -> str:
     if f is None:
         return "other"
     fn = f.f_code.co_filename
-    if ("/layertap/engine/" in fn or "/layertap/transport/" in fn or "/layertap/records" in fn
-            or "/kv_transfer/" in fn or "kv_connector" in fn):
+    if any(r in fn for r in ROOTS):
         short = fn.split("/layertap/")[-1] if "/layertap/" in fn else fn.split("/vllm/")[-1]
         return f"{short}:{f.f_code.co_name}"
     return "other"
@@ -150,21 +151,13 @@ def child(variant: str, argv: list[str], conn) -> None:
                 conn.send((clock.t / clock.n, clock.n))
             elif cmd == "count":
                 counts, where = Counter(), Counter()
-                n = 0
-                inner = clock.inner
-
-                def counted():
-                    nonlocal n
-                    n += 1
-                    return inner()
-
-                clock.inner, clock.around = counted, (lambda: CountTorch(counts, where))
+                clock.reset()
+                clock.around = lambda: CountTorch(counts, where)
                 runner.rate(b)
-                clock.inner, clock.around = inner, None
-                conn.send((dict(counts), dict(where), n))
+                clock.around = None
+                conn.send((dict(counts), dict(where), clock.n))
             elif cmd == "profile":
                 prof = cProfile.Profile()
-                from contextlib import contextmanager
 
                 @contextmanager
                 def profiled():
@@ -174,19 +167,12 @@ def child(variant: str, argv: list[str], conn) -> None:
                     finally:
                         prof.disable()
 
-                n = 0
-                inner = clock.inner
-
-                def counted2():
-                    nonlocal n
-                    n += 1
-                    return inner()
-
-                clock.inner, clock.around = counted2, profiled
+                clock.reset()
+                clock.around = profiled
                 for bb in a.inflight:
                     runner.rate(bb)
-                clock.inner, clock.around = inner, None
-                conn.send(profile_text(prof, n, a))
+                clock.around = None
+                conn.send(profile_text(prof, clock.n, a))
     finally:
         runner.close()
 
@@ -197,7 +183,7 @@ def profile_text(prof, n1: int, a) -> str:
     short = lambda fn: fn.split("/site-packages/")[-1].split("/work/main/")[-1]
     rows = []
     for (fn, line, name), (cc, nc, tt, ct, _) in st.stats.items():
-        if any(r in fn for r in ROOTS) or "connector" in name or "kv_connector" in fn:
+        if any(r in fn for r in ROOTS) or "connector" in name:
             rows.append((ct, nc, tt, f"{short(fn)}:{line}({name})"))
     for ct, nc, tt, where in sorted(rows, reverse=True)[: a.profile_top]:
         lines.append(f"  {nc / n1:7.2f} {1e6 * tt / n1:9.1f} {1e6 * ct / n1:9.1f}  {where}")

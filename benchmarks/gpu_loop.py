@@ -442,18 +442,41 @@ class Run:
         logf.flush()
 
 
+def _group_pids(pgid: int) -> list[int]:
+    """Living (not zombie) members of process group ``pgid``."""
+    from layertap.engine.watchdog import _running
+
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if os.getpgid(int(d)) == pgid and _running(int(d)):
+                    out.append(int(d))
+            except OSError:  # gone meanwhile
+                continue
+    return out
+
+
 def _stop_group(proc: subprocess.Popen) -> int:
-    """SIGTERM the process group this script started for ``proc``, SIGKILL it if still there after 40 s."""
+    """SIGTERM the process group this script started for ``proc`` (its leader may have exited already;
+    vLLM's engine core may not have), SIGKILL what is left after 40 s, then unlink the shared-memory queues
+    the group mapped that nobody maps now (``watchdog.unlink_orphans``, as for every engine layertap stops).
+    Returns the leader's exit status."""
+    from layertap.engine.watchdog import mapped_segments, unlink_orphans
+
     pgid = proc.pid  # start_new_session: the child leads its own group
-    for sig, wait in ((signal.SIGTERM, 40), (signal.SIGKILL, 10)):
+    segments = mapped_segments(_group_pids(pgid))
+    for sig, wait in ((signal.SIGTERM, 40.0), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:
             break
-        try:
-            return proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and (proc.poll() is None or _group_pids(pgid)):
+            time.sleep(0.05)
+        if proc.poll() is not None and not _group_pids(pgid):
+            break
+    unlink_orphans(segments)
     return proc.wait()
 
 
@@ -887,13 +910,10 @@ class ServeWorker:
     def stop(self, grace: float = 10.0) -> int:
         """Wait ``grace`` s for the worker to exit, else stop its process group; idempotent."""
         try:
-            rc = self.proc.wait(grace)
+            self.proc.wait(grace)
         except subprocess.TimeoutExpired:
-            rc = _stop_group(self.proc)
-        try:  # whatever of its group outlived it (vLLM's engine core holds the same stdout)
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        except (ProcessLookupError, PermissionError):
             pass
+        rc = _stop_group(self.proc)  # also whatever of its group outlived it (vLLM's engine core)
         self.pump.join(10)
         if not self.logf.closed and not self.pump.is_alive():
             self.logf.close()
@@ -997,6 +1017,17 @@ def stage_serve(run: Run, variants: tuple[str, ...]) -> None:
         raise StageFailed(f"serve: {', '.join(failed)} failed (logs/serve-VARIANT.log)")
 
 
+def _sum_acceptance(acc: list[dict[str, Any]]) -> dict[str, Any]:
+    """Acceptance results (``SpecResult`` as dicts) of several runs as one: counts summed, per-position
+    rates weighted by each run's drafts."""
+    drafts, accepted = sum(a["drafts"] for a in acc), sum(a["accepted"] for a in acc)
+    k = max(len(a["per_pos"]) for a in acc)
+    per_pos = [sum(a["per_pos"][i] * a["drafts"] for a in acc if i < len(a["per_pos"])) / max(drafts, 1)
+               for i in range(k)]
+    return {"drafts": drafts, "accepted": accepted, "per_pos": per_pos,
+            "draft_tokens": sum(a["draft_tokens"] for a in acc), "mean_acceptance_length": 1.0 + accepted / max(drafts, 1)}
+
+
 def _merge_decodes(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One concurrency's single-repeat ``timed_decode`` results (one per round) as one result: seconds and
     output tokens per round, outputs of the first, acceptance summed over all."""
@@ -1012,14 +1043,7 @@ def _merge_decodes(runs: list[dict[str, Any]]) -> dict[str, Any]:
     res["tpot_ms_median"] = statistics.median(med) if med else None
     res["tpot_ms_p99"] = max(p99) if p99 else None
     if "acceptance" in first:
-        drafts = sum(x["acceptance"]["drafts"] for x in runs)
-        accepted = sum(x["acceptance"]["accepted"] for x in runs)
-        k = max(len(x["acceptance"]["per_pos"]) for x in runs)
-        per_pos = [sum(x["acceptance"]["per_pos"][i] * x["acceptance"]["drafts"] for x in runs
-                       if i < len(x["acceptance"]["per_pos"])) / max(drafts, 1) for i in range(k)]
-        res["acceptance"] = {**first["acceptance"], "drafts": drafts, "accepted": accepted, "per_pos": per_pos,
-                             "draft_tokens": sum(x["acceptance"].get("draft_tokens", 0) for x in runs),
-                             "mean_acceptance_length": 1.0 + accepted / max(drafts, 1)}
+        res["acceptance"] = {**first["acceptance"], **_sum_acceptance([x["acceptance"] for x in runs])}
     return res
 
 
@@ -1067,8 +1091,7 @@ def worker_serve(job_path: str, result_path: str) -> int:
         b = int(cmd["batch"])
         n = int(job["prompts_per_batch"][str(b)])
         try:
-            r = timed_decode(llm, prompts[:n], batch_size=b, max_tokens=job["max_tokens"], repeats=1,
-                             speculative=spec)
+            r = timed_decode(llm, prompts[:n], batch_size=b, max_tokens=job["max_tokens"], speculative=spec)
         except Exception as e:
             say({"error": f"b={b}: {type(e).__name__}: {e}"})
             raise
@@ -1076,13 +1099,9 @@ def worker_serve(job_path: str, result_path: str) -> int:
         say({"batch": b, "output_tokens_per_s": r["output_tokens_per_s"], "seconds": r["seconds"][0]})
     res["batches"] = {b: _merge_decodes(x) for b, x in runs.items()}
     if spec and res["batches"]:
-        acc = [x["acceptance"] for x in res["batches"].values()]
-        drafts, accepted = sum(a["drafts"] for a in acc), sum(a["accepted"] for a in acc)
-        k = max(len(a["per_pos"]) for a in acc)
-        res["acceptance_length"] = 1.0 + accepted / drafts
-        res["per_pos"] = [sum(a["per_pos"][i] * a["drafts"] for a in acc if i < len(a["per_pos"])) / drafts
-                          for i in range(k)]
-        res["drafts"], res["accepted"] = drafts, accepted
+        tot = _sum_acceptance([x["acceptance"] for x in res["batches"].values()])
+        res.update(acceptance_length=tot["mean_acceptance_length"], per_pos=tot["per_pos"], drafts=tot["drafts"],
+                   accepted=tot["accepted"])
     write_json(Path(result_path), res)
     say({"done": True})
     try:

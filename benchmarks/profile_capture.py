@@ -36,7 +36,7 @@ def summarize(path: Path, top: int = 12) -> str:
         key = f"{procs[-1][:60] if procs else 'process ?'} | {thread[:40]}"
         body = [f.split(" (")[0] for f in frames if not f.startswith(("process ", "thread "))]
         per_thread[key][" ; ".join(body[-2:]) or "-"] += int(n)
-        mine = [f for f in body if "Layertap" in f or "_WorkerSide" in f or "Tap." in f or "capture_hook" in f]
+        mine = [f for f in body if "Layertap" in f or "WorkerSide" in f or "Tap." in f or "capture_hook" in f]
         if mine:
             ours[key][mine[-1]] += int(n)
     out = []

@@ -52,7 +52,6 @@ from layertap.engine.saves import PARAMS_KEY, LayertapMetadata, SaveJob, Schedul
 
 __all__ = ["PARAMS_KEY", "LayertapConnector", "LayertapMetadata", "SaveJob", "SlotCheck", "SlotCheckError",
            "watch_owner"]
-_SchedulerSide, _WorkerSide = SchedulerSide, WorkerSide  # the names the unit tests use
 
 log = logging.getLogger("vllm.layertap")  # under "vllm": shown by vLLM's own log set-up
 

@@ -40,19 +40,19 @@ def drafter_only(target: str, drafters: dict[str, dict[str, Any]], prompts: list
 
 
 def timed_decode(llm: Any, prompts: list[list[int]], *, batch_size: int, max_tokens: int,
-                 repeats: int = 1, speculative: bool = True, step_timeout_s: float = 120.0) -> dict[str, Any]:
+                 speculative: bool = True, step_timeout_s: float = 120.0) -> dict[str, Any]:
     """Greedy decoding of ``prompts`` with ``batch_size`` requests in flight: a new request enters as soon
-    as one finishes (continuous batching, as a server at that concurrency sees it), ``repeats`` times.
+    as one finishes (continuous batching, as a server at that concurrency sees it).
 
     Consecutive ``generate`` calls of ``batch_size`` prompts would instead time each batch by its slowest
     request; with speculation the requests of a batch finish far apart (their acceptance differs), so a
     batch ran mostly with one or two requests left and the number measured the tail, not the batch size.
 
-    Returns the outputs (token ids per prompt, in prompt order, from the first repeat), the seconds each
-    repeat took, its output tokens, output tokens/s (all repeats), per-request decode time per output token
-    (first to last token; median and p99 in ms), and, when ``speculative``, vLLM's acceptance over all
-    repeats from its own counters (``spec_result``; the engine needs ``disable_log_stats=False``). A step
-    that returns nothing for ``step_timeout_s`` while requests are open is an error, not a wait."""
+    Returns the outputs (token ids per prompt, in prompt order), the seconds and output tokens (one-element
+    lists, the shape of merged repeats), output tokens/s, per-request decode time per output token (first to
+    last token; median and p99 in ms), and, when ``speculative``, vLLM's acceptance from its own counters
+    (``spec_result``; the engine needs ``disable_log_stats=False``). A step that returns nothing for
+    ``step_timeout_s`` while requests are open is an error, not a wait."""
     import statistics
 
     from vllm import SamplingParams
@@ -66,58 +66,52 @@ def timed_decode(llm: Any, prompts: list[list[int]], *, batch_size: int, max_tok
         raise RuntimeError("timed_decode: the engine already has unfinished requests")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     before = _snapshot(llm) if speculative else None
-    outputs: list[list[int]] = []
-    seconds, tokens, tpot_ms = [], [], []
-    for r in range(repeats):
-        ids: dict[int, list[int]] = {}
-        first: dict[str, float] = {}
-        index: dict[str, int] = {}
-        nxt = 0
+    ids: dict[int, list[int]] = {}
+    first: dict[str, float] = {}
+    tpot_ms: list[float] = []
+    nxt = 0
 
-        def admit() -> None:
-            nonlocal nxt
-            name = f"td-{r}-{nxt}"
-            # Outputs carry the id given here; add_request returns vLLM's internal one (a suffix added).
-            internal = engine.add_request(name, {"prompt_token_ids": list(prompts[nxt])}, params)
-            index[name] = index[internal] = nxt
-            nxt += 1
+    def admit() -> None:
+        nonlocal nxt
+        # Outputs carry the id given here (add_request returns vLLM's internal one, a suffix added).
+        engine.add_request(f"td-{nxt}", {"prompt_token_ids": list(prompts[nxt])}, params)
+        nxt += 1
 
-        t0 = time.perf_counter()
-        while nxt < min(batch_size, len(prompts)):
-            admit()
-        idle_since = time.monotonic()
-        while len(ids) < len(prompts):
-            step = engine.step()
-            now = time.perf_counter()
-            if step:
-                idle_since = time.monotonic()
-            elif time.monotonic() - idle_since > step_timeout_s:
-                raise TimeoutError(f"timed_decode: no output for {step_timeout_s:.0f} s with "
-                                   f"{len(prompts) - len(ids)} requests open")
-            for out in step:
-                rid = out.request_id
-                if rid not in index:
-                    raise RuntimeError(f"timed_decode: output for a request it did not add: {rid!r}")
-                if rid not in first and out.outputs and len(out.outputs[0].token_ids) > 0:
-                    first[rid] = now
-                if out.finished:
-                    toks = list(out.outputs[0].token_ids)
-                    ids[index[rid]] = toks
-                    if len(toks) > 1 and rid in first:
-                        tpot_ms.append(1e3 * (now - first[rid]) / (len(toks) - 1))
-                    if nxt < len(prompts):
-                        admit()
-        seconds.append(time.perf_counter() - t0)
-        tokens.append(sum(len(x) for x in ids.values()))
-        if r == 0:
-            outputs = [ids[i] for i in range(len(prompts))]
-    tpot_sorted = sorted(tpot_ms)
+    t0 = time.perf_counter()
+    while nxt < min(batch_size, len(prompts)):
+        admit()
+    idle_since = time.monotonic()
+    while len(ids) < len(prompts):
+        step = engine.step()
+        now = time.perf_counter()
+        if step:
+            idle_since = time.monotonic()
+        elif time.monotonic() - idle_since > step_timeout_s:
+            raise TimeoutError(f"timed_decode: no output for {step_timeout_s:.0f} s with "
+                               f"{len(prompts) - len(ids)} requests open")
+        for out in step:
+            rid = out.request_id
+            if not rid.startswith("td-"):
+                raise RuntimeError(f"timed_decode: output for a request it did not add: {rid!r}")
+            if rid not in first and out.outputs and len(out.outputs[0].token_ids) > 0:
+                first[rid] = now
+            if out.finished:
+                toks = list(out.outputs[0].token_ids)
+                ids[int(rid[3:])] = toks
+                if len(toks) > 1 and rid in first:
+                    tpot_ms.append(1e3 * (now - first[rid]) / (len(toks) - 1))
+                if nxt < len(prompts):
+                    admit()
+    seconds = time.perf_counter() - t0
+    outputs = [ids[i] for i in range(len(prompts))]
+    n = sum(len(x) for x in outputs)
+    tpot_ms.sort()
     res: dict[str, Any] = {
         "batch_size": batch_size, "mode": "continuous", "num_prompts": len(prompts), "max_tokens": max_tokens,
-        "repeats": repeats, "seconds": seconds, "output_tokens": tokens,
-        "output_tokens_per_s": sum(tokens) / max(sum(seconds), 1e-9), "outputs": outputs,
-        "tpot_ms_median": statistics.median(tpot_sorted) if tpot_sorted else None,
-        "tpot_ms_p99": tpot_sorted[min(len(tpot_sorted) - 1, int(0.99 * len(tpot_sorted)))] if tpot_sorted else None}
+        "seconds": [seconds], "output_tokens": [n], "output_tokens_per_s": n / max(seconds, 1e-9),
+        "outputs": outputs,
+        "tpot_ms_median": statistics.median(tpot_ms) if tpot_ms else None,
+        "tpot_ms_p99": tpot_ms[min(len(tpot_ms) - 1, int(0.99 * len(tpot_ms)))] if tpot_ms else None}
     if speculative:
         res["acceptance"] = asdict(spec_result(f"batch {batch_size}", before, _snapshot(llm)))
     return res

@@ -211,19 +211,15 @@ class Pool:
                 fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, 0)
 
     def _acquire(self) -> None:
-        try:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)  # the usual case: free at once
-            return
-        except (BlockingIOError, PermissionError):
-            pass
-        deadline = time.monotonic() + self.LOCK_TIMEOUT
-        pause = 0.0001
+        deadline, pause = None, 0.0001
         while True:
             try:
-                fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+                fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)  # usually free at the first try
                 return
             except (BlockingIOError, PermissionError):
-                if time.monotonic() >= deadline:
+                if deadline is None:
+                    deadline = time.monotonic() + self.LOCK_TIMEOUT
+                elif time.monotonic() >= deadline:
                     raise TransportError(
                         f"shm pool {self.name}: its lock was held by another process for {self.LOCK_TIMEOUT:.0f} s "
                         f"(pid {self._lock_holder()}; stopped or hung?)") from None

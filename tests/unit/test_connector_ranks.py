@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from layertap.engine import compat, connector
-from layertap.engine.connector import LayertapMetadata, SaveJob, _WorkerSide
+from layertap.engine.record_writer import WorkerSide
+from layertap.engine.saves import LayertapMetadata, SaveJob
 from layertap.records import LAYER_SEMANTICS, token_digest
 from layertap.transport.base import get_transport
 
@@ -25,15 +26,15 @@ def pool():
     src.close()
 
 
-def worker(monkeypatch, rank: int, tcfg: dict) -> _WorkerSide:
+def worker(monkeypatch, rank: int, tcfg: dict) -> WorkerSide:
     monkeypatch.setattr(compat, "tp_rank", lambda: rank)
     monkeypatch.setattr(compat, "hidden_size", lambda cfg: HIDDEN)
     monkeypatch.setattr(compat, "num_layers", lambda cfg: 4)
     c = NS(_extra={"transport": tcfg, "run_meta": {}}, _layer_ids=[1, 2], _block_size=BS, _group=0,
            _group_desc={})
-    w = _WorkerSide(c, vllm_config=None)
+    w = WorkerSide(c, vllm_config=None)
     view = torch.arange(BLOCKS * PLANES * BS * HIDDEN, dtype=torch.float32).reshape(BLOCKS, PLANES, BS, HIDDEN)
-    w.register({f"model.layers.0.attn": torch.zeros(1), f"{compat.CAPTURE_LAYER_MARK}.4": view})
+    w.register({"model.layers.0.attn": torch.zeros(1), f"{compat.CAPTURE_LAYER_MARK}.4": view})
     return w
 
 

@@ -4,13 +4,13 @@ check every record against HF)."""
 
 from types import SimpleNamespace as NS
 
-from layertap.engine.connector import PARAMS_KEY, _SchedulerSide
+from layertap.engine.saves import PARAMS_KEY, SchedulerSide
 
 
 def side(path="hook"):
     c = NS(_group=0, _layer_ids=[1, 2], _group_desc={}, _check_steps=0,
            _extra={"capture_path": path, "default_mode": "prompt"})
-    return _SchedulerSide(c)
+    return SchedulerSide(c)
 
 
 def new(rid, prompt, blocks, computed=0, mode="prompt"):

@@ -8,7 +8,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from layertap.engine.connector import _WorkerSide
+from layertap.engine.record_writer import WorkerSide
 
 
 class Res:
@@ -34,7 +34,7 @@ class Done:
 
 
 def writer():
-    w = object.__new__(_WorkerSide)
+    w = object.__new__(WorkerSide)
     w.staging, w.staged_bytes = threading.Condition(), 300
     return w
 
