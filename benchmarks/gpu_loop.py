@@ -81,7 +81,7 @@ EXIT_DEADLINE = 75
 GRACE_S = 60.0
 """A subprocess still running this long before the deadline is stopped (SIGTERM, SIGKILL 40 s later)."""
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
-"""Dense bf16 peaks by GPU name (the same table as benchmarks/train_throughput.py)."""
+"""Dense bf16 peaks by GPU name, for MFU (also benchmarks/train_throughput.py's)."""
 
 
 # -- profiles ----------------------------------------------------------------------------------------

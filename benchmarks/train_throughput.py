@@ -28,7 +28,7 @@ from layertap.drafters.eagle3 import Eagle3Drafter
 from layertap.models.head import TargetHead
 from layertap.train.config import DrafterShape, Eagle3Config
 
-PEAKS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+from gpu_loop import PEAK_BF16_TFLOPS as PEAKS  # noqa: E402  (one table; gpu_loop's imports are light)
 
 
 def parse() -> argparse.Namespace:
