@@ -74,9 +74,23 @@ from layertap.models.train_target import TargetSpec  # noqa: E402
 STAGES = ("target", "eagle3", "dflash", "offline", "serve", "report")
 DRAFTERS = ("eagle3", "dflash")
 SERVE_VARIANTS = ("plain", "ngram", "eagle3", "dflash")
-OPTIONAL_VARIANTS = ("plain-v1", "eagle3-offline")
-"""``plain-v1``: plain vLLM on the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``): on CUDA, vLLM 0.25 runs
-ngram on V1 (the V2 runner has no ngram), everything else on V2. ``eagle3-offline``: the offline drafter."""
+OPTIONAL_VARIANTS = ("plain-v1", "eagle3-v1", "eagle3-offline")
+"""``plain-v1`` / ``eagle3-v1``: on the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``): on CUDA, vLLM 0.25
+runs ngram on V1 (the V2 runner has no ngram), everything else on V2. ``eagle3-offline``: the offline
+drafter. Also ``eagle3-kN`` / ``dflash-kN``: the same drafter served with N speculative tokens."""
+K_VARIANT = re.compile(r"(eagle3|dflash)-k([1-9][0-9]?)")
+
+
+def known_variant(v: str) -> bool:
+    return v in SERVE_VARIANTS or v in OPTIONAL_VARIANTS or K_VARIANT.fullmatch(v) is not None
+
+
+def variant_drafter(v: str) -> str | None:
+    """The training stage whose export a serving variant serves (None: no drafter of ours)."""
+    if v == "eagle3-offline":
+        return "offline"
+    base = v.split("-", 1)[0]
+    return base if base in DRAFTERS else None
 EXIT_DEADLINE = 75
 GRACE_S = 60.0
 """A subprocess still running this long before the deadline is stopped (SIGTERM, SIGKILL 40 s later)."""
@@ -133,6 +147,15 @@ class Profile:
     """Prompts decoded at each batch size (the first N held-out prompts)."""
     serve_max_tokens: int
     serve_repeats: int
+    serve_variants: tuple[str, ...] = SERVE_VARIANTS
+    """Variants served when ``--serve-variants`` is not given (plain, ngram, eagle3 and dflash always)."""
+    serve_profile: tuple[str, ...] = ()
+    """Variants whose engine is profiled (torch profiler, CPU + device) over a few batch-1 decodes after the
+    timed rounds; the trace's summary (``benchmarks/trace_summary.py``) goes into the serve results."""
+    margin_prompts: int = 0
+    """Plain decodes the first N batch-1 prompts once more with top-2 logprobs, so each output that differs
+    from plain's is placed where it first diverges: plain's top-1 - top-2 logprob margin there (a near tie
+    flips under bf16 batch numerics; a speculation bug need not be near one)."""
     estimates: dict[str, float]
     """Seconds each stage (serve: each variant) takes on this profile's machine, for the deadline guard."""
     memory_plan: str = ""
@@ -165,9 +188,14 @@ H200 = Profile(
                   "max_num_seqs": 32, "enable_prefix_caching": False},
     # b requests in flight (continuous batching); enough prompts that the drain at the end is a small part.
     serve_batches=(1, 8, 32), serve_prompts={1: 16, 8: 64, 32: 160}, serve_max_tokens=128, serve_repeats=2,
+    # Beside the four: why EAGLE-3 ran slower than plain at batch 1 in the second H200 run (TPOT 3.22 ms
+    # against 2.68 at AL 2.31): the same drafter on the V1 runner and with 2 speculative tokens, and a
+    # profile of plain / EAGLE-3 / DFlash decoding at batch 1 (GPU busy share, kernels, CPU ops per token).
+    serve_variants=(*SERVE_VARIANTS, "eagle3-v1", "eagle3-k2"), serve_profile=("plain", "eagle3", "dflash"),
+    margin_prompts=16,
     # Seconds on an H200 (16 cores), from the first loop run there (stage walls: target 141 s at a 100 s
     # budget, eagle3 341 s at 256 steps, a serve variant 86-113 s).
-    estimates={"target": 200, "eagle3": 400, "dflash": 400, "offline": 200, "serve": 300, "report": 15},
+    estimates={"target": 200, "eagle3": 400, "dflash": 400, "offline": 200, "serve": 420, "report": 15},
     memory_plan=(
         "One H200 (~140 GiB) holds three kinds of process during an online run. The capture engine reserves "
         "gpu_memory_utilization 0.2 (~28 GiB): bf16 weights 2.3 GiB, CUDA graphs and activations a few GiB, "
@@ -193,6 +221,7 @@ CPU_TINY = Profile(
     serve_engine={"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024,
                   "max_num_seqs": 4, "enable_prefix_caching": False},
     serve_batches=(1, 4), serve_prompts={1: 2, 4: 4}, serve_max_tokens=16, serve_repeats=2,
+    serve_profile=("eagle3",), margin_prompts=2,
     estimates={"target": 400, "eagle3": 200, "dflash": 160, "offline": 120, "serve": 200, "report": 15},
     memory_plan="CPU: every engine sizes its KV cache with kv_cache_memory_bytes; no device memory to split.",
 )
@@ -833,17 +862,22 @@ def serve_spec(run: Run, variant: str) -> tuple[dict[str, Any] | None, dict[str,
     from layertap.drafters.export import speculative_config
 
     p = run.profile
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "0"} if variant.endswith("-v1") else {}
     if variant in ("plain", "plain-v1"):
-        return None, ({"VLLM_USE_V2_MODEL_RUNNER": "0"} if variant == "plain-v1" else {}), None
+        return None, env, None
     if variant == "ngram":
         return {"method": "ngram", "num_speculative_tokens": p.ngram_k, "prompt_lookup_max": 4,
                 "prompt_lookup_min": 1}, {}, None
-    src = {"eagle3": run.work / "eagle3/exports/final", "dflash": run.work / "dflash/exports/final",
-           "eagle3-offline": run.work / "offline/export"}[variant]
+    drafter = variant_drafter(variant)
+    if drafter is None or not known_variant(variant):
+        raise ValueError(f"serve: unknown variant {variant!r}")
+    src = run.work / ("offline/export" if drafter == "offline" else f"{drafter}/exports/final")
     if not (src / "config.json").exists():
         return None, {}, f"no exported drafter at {src} (its stage has not completed)"
     kind = json.loads((src / "config.json").read_text())["layertap"]["kind"]
-    return speculative_config(src, p.num_spec if kind == "eagle3" else None), {}, None
+    k = K_VARIANT.fullmatch(variant)
+    num_spec = int(k.group(2)) if k else p.num_spec if kind == "eagle3" else None
+    return speculative_config(src, num_spec), env, None
 
 
 SERVE_MSG = "@@layertap-serve "
@@ -930,11 +964,11 @@ def stage_serve(run: Run, variants: tuple[str, ...]) -> None:
     data = ensure_data(run, target)
     d = run.work / "serve"
     d.mkdir(exist_ok=True)
-    waiting, ready, source = [], [], {"eagle3": "eagle3", "dflash": "dflash", "eagle3-offline": "offline"}
+    waiting, ready = [], []
     prompts = json.loads(Path(data["serve_prompts"]).read_text())
     for v in variants:
         spec, env, why = serve_spec(run, v)
-        if why and run.state["steps"].get(source.get(v, ""), {}).get("status") == "failed":
+        if why and run.state["steps"].get(variant_drafter(v) or "", {}).get("status") == "failed":
             run.log(f"serve {v}: left out: its drafter's stage failed ({why})")
         elif why:
             run.log(f"serve {v}: waits: {why}")
@@ -954,7 +988,8 @@ def stage_serve(run: Run, variants: tuple[str, ...]) -> None:
             job = {"variant": v, "target": target, "spec": spec, "engine": p.serve_engine, "prompts": prompts,
                    "batch_sizes": list(p.serve_batches),
                    "prompts_per_batch": {str(k): n for k, n in p.serve_prompts.items()},
-                   "max_tokens": p.serve_max_tokens}
+                   "max_tokens": p.serve_max_tokens,
+                   "profile_dir": str(d / "profile" / v) if v in p.serve_profile else None}
             write_json(d / f"{v}.job.json", job)
             (d / f"{v}.json").unlink(missing_ok=True)
             # Engines compiling at the same moment get their own compile caches (no two writers of one entry).
@@ -989,6 +1024,25 @@ def stage_serve(run: Run, variants: tuple[str, ...]) -> None:
                         workers.pop(v).stop()
                         run.log(f"serve {v}: FAILED at b={b}: {e}")
                 run.log(f"serve round {r + 1}/{p.serve_repeats} b={b}: " + ", ".join(line) + " tok/s")
+        # Untimed, after the rounds: profiles, then plain's top-2 margins (each skipped, logged, without time).
+        extra = [(v, {"op": "profile", "n": min(4, p.serve_prompts[min(p.serve_batches)])}) for v in names
+                 if v in p.serve_profile]
+        extra += [("plain", {"op": "margins", "n": p.margin_prompts})] if p.margin_prompts else []
+        for v, cmd in extra:
+            if v not in workers:
+                continue
+            if run.deadline_s is not None and run.left() < GRACE_S + 60:
+                run.log(f"serve {v}: {cmd['op']} skipped: {run.left():.0f}s left before the deadline")
+                continue
+            t1 = time.monotonic()
+            try:
+                m = workers[v].ask(cmd, SERVE_STEP_TIMEOUT_S)
+                run.log(f"serve {v}: {cmd['op']} " + (f"FAILED: {m['failed']}" if "failed" in m else "done")
+                        + f" in {time.monotonic() - t1:.0f}s")
+            except Exception as e:  # a dead or silent worker: its timed rounds are lost with it
+                failed[v] = str(e)
+                workers.pop(v).stop()
+                run.log(f"serve {v}: FAILED at {cmd['op']}: {e}")
         for v, w in list(workers.items()):
             try:
                 rc = w.finish(120)
@@ -1064,6 +1118,13 @@ def worker_serve(job_path: str, result_path: str) -> int:
     kw = {**job["engine"], "disable_log_stats": False}
     if job["spec"] is not None:
         kw["speculative_config"] = job["spec"]
+    if job.get("profile_dir"):  # nothing is recorded until {"op": "profile"}
+        from vllm.config import ProfilerConfig
+
+        Path(job["profile_dir"]).mkdir(parents=True, exist_ok=True)
+        kw["profiler_config"] = ProfilerConfig(profiler="torch", torch_profiler_dir=job["profile_dir"],
+                                               torch_profiler_with_stack=False, torch_profiler_use_gzip=True,
+                                               torch_profiler_record_shapes=False)
     t0 = time.monotonic()
     try:
         llm = LLM(model=job["target"], **kw)
@@ -1088,6 +1149,21 @@ def worker_serve(job_path: str, result_path: str) -> int:
         cmd = json.loads(line)
         if cmd.get("op") == "quit":
             break
+        if cmd.get("op") in ("profile", "margins"):
+            try:
+                if cmd["op"] == "profile":
+                    res["profile"] = profile_decode(llm, job, prompts[:int(cmd["n"])], spec)
+                else:  # batch 1, untimed, with plain's top-2 logprobs at every position
+                    r = timed_decode(llm, prompts[:int(cmd["n"])], batch_size=1, max_tokens=job["max_tokens"],
+                                     speculative=False, top2=True)
+                    res["margins"] = {"outputs": r["outputs"], "top2": r["top2"]}
+            except Exception as e:  # the timed results stand: kept, with the reason this part is missing
+                res[f"{cmd['op']}_error"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+                say({"op": cmd["op"], "failed": res[f"{cmd['op']}_error"]})
+                continue
+            say({"op": cmd["op"], "done": True})
+            continue
         b = int(cmd["batch"])
         n = int(job["prompts_per_batch"][str(b)])
         try:
@@ -1111,6 +1187,70 @@ def worker_serve(job_path: str, result_path: str) -> int:
     del llm
     gc.collect()
     return 0
+
+
+def profile_decode(llm: Any, job: dict[str, Any], prompts: list[list[int]], spec: bool) -> dict[str, Any]:
+    """One batch-1 ``timed_decode`` of ``prompts`` under vLLM's torch profiler (the engine's worker process),
+    summarized per output token by ``trace_summary``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from trace_summary import summarize
+
+    from layertap.pipeline.evaluate import timed_decode
+
+    prefix = f"serve_{job['variant']}_b1"
+    llm.start_profile(profile_prefix=prefix)
+    try:
+        r = timed_decode(llm, prompts, batch_size=1, max_tokens=job["max_tokens"], speculative=spec)
+    finally:
+        llm.stop_profile()
+    traces = sorted((t for t in Path(job["profile_dir"]).rglob("*.json*") if t.name.startswith(prefix)),
+                    key=lambda t: t.stat().st_mtime)
+    if not traces:
+        raise RuntimeError(f"no trace named {prefix}* under {job['profile_dir']}")
+    n = r["output_tokens"][0]
+    out = {"batch": 1, "prompts": len(prompts), "output_tokens": n, "seconds_profiled": r["seconds"][0],
+           "trace": str(traces[-1]), "per": "output token", "summary": summarize(traces[-1], requests=n)}
+    if spec:
+        out["acceptance_length"] = r["acceptance"]["mean_acceptance_length"]
+    return out
+
+
+LOG_FACTS = re.compile(r"cuda ?graph|asynchronous scheduling|attention backend|using \S+ backend|speculative|"
+                       r"eagle|dflash|draft|model runner|compilation|cudagraph_mode", re.I)
+
+
+def engine_log_facts(path: Path, limit: int = 40) -> list[str]:
+    """The start-up lines of a serve worker's log that say how the engine runs (CUDA graphs, async
+    scheduling, attention backend, the drafter), without their timestamps, once each."""
+    seen: dict[str, None] = {}
+    if path.exists():
+        for line in path.read_text(errors="replace").splitlines():
+            if LOG_FACTS.search(line) and not line.startswith((SERVE_MSG, "==== ")):
+                seen.setdefault(re.sub(r"^.*?\] ", "", line.strip())[:300], None)
+                # The engine's config line is long; its CUDA graph mode sits near the end.
+                for m in re.finditer(r"'cudagraph_mode': [^,]+", line):
+                    seen.setdefault(m.group(0), None)
+            if len(seen) >= limit:
+                break
+    return list(seen)
+
+
+def divergences(outputs: list[list[int]], ref: dict[str, Any]) -> dict[str, Any]:
+    """Where the first ``len(ref)`` ``outputs`` first differ from plain's batch-1 outputs, with plain's top-2
+    margin there and whether the token taken was plain's runner-up."""
+    from layertap.pipeline.evaluate import first_divergence
+
+    rows = []
+    for i, (out, want, top2) in enumerate(zip(outputs, ref["outputs"], ref["top2"])):
+        pos = first_divergence(out, want)
+        if pos is not None and pos < len(want) and pos < len(out):
+            margin, second = top2[pos]
+            rows.append({"prompt": i, "position": pos, "margin": round(margin, 4), "took_runner_up": out[pos] == second})
+    margins = sorted(r["margin"] for r in rows)
+    return {"compared": min(len(outputs), len(ref["outputs"])), "diverged": len(rows),
+            "max_margin": margins[-1] if margins else None,
+            "median_margin": margins[len(margins) // 2] if margins else None,
+            "runner_up_share": sum(r["took_runner_up"] for r in rows) / len(rows) if rows else None, "rows": rows}
 
 
 def serve_summary(run: Run, variants: tuple[str, ...]) -> dict[str, Any]:
@@ -1143,7 +1283,18 @@ def serve_summary(run: Run, variants: tuple[str, ...]) -> dict[str, Any]:
             "acceptance_length_by_batch": {k: x["acceptance"]["mean_acceptance_length"] for k, x in b.items()
                                            if "acceptance" in x},
             "num_speculative_tokens": (r["spec"] or {}).get("num_speculative_tokens"),
+            "engine_log_facts": engine_log_facts(run.work / "logs" / f"serve-{v}.log"),
+            "profile": r.get("profile"),
         }
+    ref = res["plain"].get("margins")
+    if ref:
+        # Each output that differs from plain's batch-1 output, placed where it first diverges. Plain's own
+        # larger batches are the control: they diverge only by bf16 batch numerics.
+        out["divergence_from_plain_b1"] = {
+            v: {k: divergences(x["outputs"], ref) for k, x in r["batches"].items()} for v, r in res.items()}
+        out["margin_run_equals_plain_b1"] = (
+            sum(o == q for o, q in zip(ref["outputs"], plain[str(min(run.profile.serve_batches))]["outputs"]))
+            / max(len(ref["outputs"]), 1))
     n1 = str(min(run.profile.serve_batches))
     out["plain_batch_invariance"] = {  # plain's own outputs at batch b vs batch 1 (bf16 batch numerics)
         k: sum(o == q for o, q in zip(x["outputs"], plain[n1]["outputs"])) / max(min(len(x["outputs"]),
@@ -1193,9 +1344,16 @@ def summary(run: Run, variants: tuple[str, ...]) -> dict[str, Any]:
         tr = run.result(kind)
         j[kind] = {**served(kind), "train": tr}
         j["memory"][kind] = (tr or {}).get("memory")
-    for v in variants:
-        if v in OPTIONAL_VARIANTS:
-            j[v] = served(v)
+    j["extra_variants"] = [v for v in variants if v not in SERVE_VARIANTS]
+    for v in j["extra_variants"]:
+        j[v] = served(v)
+    j["serve_profiles"] = {v: s["profile"] for v, s in sv.items() if s.get("profile")}
+    j["engine_log_facts"] = {v: s.get("engine_log_facts", []) for v, s in sv.items()}
+    if srv and srv.get("divergence_from_plain_b1"):
+        j["divergence_from_plain_b1"] = {
+            v: {k: {x: y for x, y in d.items() if x != "rows"} for k, d in by.items()}
+            for v, by in srv["divergence_from_plain_b1"].items()}
+        j["margin_run_equals_plain_b1"] = srv["margin_run_equals_plain_b1"]
     e3 = run.result("eagle3")
     if off is not None:
         on_wall = (e3 or {}).get("wall_s")
@@ -1241,7 +1399,7 @@ def write_markdown(path: Path, j: dict[str, Any]) -> None:
           "| variant | runner | mean acceptance length | " + " | ".join(f"tok/s b={k}" for k in keys) + " | "
           + " | ".join(f"speed-up b={k}" for k in keys) + " | outputs == plain |",
           "|---|---|---|" + "---|" * (2 * len(keys)) + "---|"]
-    for v in ("plain", "ngram", "eagle3", "dflash", *[k for k in OPTIONAL_VARIANTS if k in j]):
+    for v in ("plain", "ngram", "eagle3", "dflash", *j.get("extra_variants", [])):
         s = j.get(v) or {}
         if not s.get("output_tokens_per_s"):
             L.append(f"| {v} | - | - |" + " - |" * (2 * len(keys)) + " - |")
@@ -1255,11 +1413,38 @@ def write_markdown(path: Path, j: dict[str, Any]) -> None:
                  + f" | {eq} |")
     L += ["", "Time per output token of a request (first to last token), median / p99 ms:", "",
           "| variant | " + " | ".join(f"b={k}" for k in keys) + " |", "|---|" + "---|" * len(keys)]
-    for v in ("plain", "ngram", "eagle3", "dflash", *[k for k in OPTIONAL_VARIANTS if k in j]):
+    for v in ("plain", "ngram", "eagle3", "dflash", *j.get("extra_variants", [])):
         s = j.get(v) or {}
         med, p99 = s.get("tpot_ms_median") or {}, s.get("tpot_ms_p99") or {}
         if med:
             L.append(f"| {v} | " + " | ".join(f"{fmt(med.get(k), 2)} / {fmt(p99.get(k), 2)}" for k in keys) + " |")
+    profs = j.get("serve_profiles") or {}
+    if profs:
+        L += ["", f"Where batch-{keys[0]} decode time goes (torch profiler, the engine's worker process, a few "
+              "prompts after the timed rounds; per output token; the profiler inflates CPU time):", "",
+              "| variant | AL | window ms | GPU busy | GPU busy ms | kernels | busiest CPU thread ms | top CPU ops (ms) |",
+              "|---|---|---|---|---|---|---|---|"]
+        for v, pr in profs.items():
+            sm = pr["summary"]
+            thr = max((sm.get("cpu_threads_busy_ms_per_request") or {0: None}).values(), default=None)
+            ops = ", ".join(f"{k[:40]} {x:.3f}" for k, x in list((sm.get("top_cpu_ops_ms_per_request") or {}).items())[:3])
+            L.append(f"| {v} | {fmt(pr.get('acceptance_length'), 2)} | {fmt(sm.get('window_ms_per_request'))} | "
+                     f"{fmt(sm.get('gpu_busy_fraction'), 2)} | "
+                     f"{fmt(sum((sm.get('gpu_busy_ms_per_request_by_stream') or {}).values()))} | "
+                     f"{fmt(sm.get('kernels_per_request'), 1)} | {fmt(thr)} | {ops} |")
+    div = j.get("divergence_from_plain_b1")
+    if div:
+        L += ["", f"Outputs that differ from plain's batch-{keys[0]} output, placed where they first diverge: "
+              "diverged / compared, and plain's top-1 - top-2 logprob margin there (max, median); 'runner-up' is "
+              "the share that took plain's second choice. Plain's own larger batches are the control (bf16 "
+              f"batch numerics). The margin run reproduced plain's batch-{keys[0]} outputs: "
+              f"{fmt(j.get('margin_run_equals_plain_b1'), 2)}.", "",
+              "| variant | " + " | ".join(f"b={k}" for k in keys) + " |", "|---|" + "---|" * len(keys)]
+        for v, by in div.items():
+            L.append(f"| {v} | " + " | ".join(
+                f"{d['diverged']}/{d['compared']}" + (f", max {fmt(d['max_margin'], 3)}, med {fmt(d['median_margin'], 3)}, "
+                                                      f"runner-up {fmt(d['runner_up_share'], 2)}" if d["diverged"] else "")
+                if (d := by.get(k)) else "-" for k in keys) + " |")
     L += ["", f"Goals: {j['goals']}", f"Plain's own outputs at batch b equal to batch {keys[0]}: "
           f"{j.get('plain_batch_invariance')}", "", "## Online training (`layertap train`, engine and trainer on one "
           "device, records over shm)", "",
@@ -1394,8 +1579,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--out", required=True, type=Path, help="where gpu_loop.json/.md/.png and the log are copied")
     ap.add_argument("--stages", default="all", help=f"comma list of {','.join(STAGES)} (default all)")
     ap.add_argument("--deadline-s", type=float, default=None, help="end this invocation within N s (resume later)")
-    ap.add_argument("--serve-variants", default=",".join(SERVE_VARIANTS),
-                    help=f"serving variants (also: {', '.join(OPTIONAL_VARIANTS)})")
+    ap.add_argument("--serve-variants", default=None,
+                    help=f"serving variants (default: the profile's; {', '.join(SERVE_VARIANTS)} and also "
+                         f"{', '.join(OPTIONAL_VARIANTS)}, eagle3-kN, dflash-kN)")
     ap.add_argument("--results-dir", type=Path, default=None,
                     help="also copy the report here (e.g. benchmarks/results/DATE)")
     ap.add_argument("--retry-failed", action="store_true",
@@ -1410,11 +1596,12 @@ def main(argv: list[str]) -> int:
         return {"target": worker_target, "serve": worker_serve}[argv[1]](*argv[2:])
     a = parse(argv)
     stages = STAGES if a.stages == "all" else tuple(s.strip() for s in a.stages.split(","))
-    variants = tuple(v.strip() for v in a.serve_variants.split(","))
-    bad = [s for s in stages if s not in STAGES] + [v for v in variants if v not in SERVE_VARIANTS + OPTIONAL_VARIANTS]
+    profile = apply_overrides(PROFILES[a.profile], a.override)
+    variants = (tuple(v.strip() for v in a.serve_variants.split(",")) if a.serve_variants
+                else profile.serve_variants)
+    bad = [s for s in stages if s not in STAGES] + [v for v in variants if not known_variant(v)]
     if bad:
         raise SystemExit(f"unknown stage or variant: {', '.join(bad)}")
-    profile = apply_overrides(PROFILES[a.profile], a.override)
     run = Run(profile, a.work.resolve(), a.out.resolve(), a.deadline_s, list(a.override))
     if profile.device == "cuda" and gpu_name() is None:
         raise SystemExit(f"profile {profile.name} needs a CUDA GPU (nvidia-smi finds none)")

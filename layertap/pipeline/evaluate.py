@@ -40,7 +40,8 @@ def drafter_only(target: str, drafters: dict[str, dict[str, Any]], prompts: list
 
 
 def timed_decode(llm: Any, prompts: list[list[int]], *, batch_size: int, max_tokens: int,
-                 speculative: bool = True, step_timeout_s: float = 120.0) -> dict[str, Any]:
+                 speculative: bool = True, step_timeout_s: float = 120.0,
+                 top2: bool = False) -> dict[str, Any]:
     """Greedy decoding of ``prompts`` with ``batch_size`` requests in flight: a new request enters as soon
     as one finishes (continuous batching, as a server at that concurrency sees it).
 
@@ -52,7 +53,10 @@ def timed_decode(llm: Any, prompts: list[list[int]], *, batch_size: int, max_tok
     lists, the shape of merged repeats), output tokens/s, per-request decode time per output token (first to
     last token; median and p99 in ms), and, when ``speculative``, vLLM's acceptance from its own counters
     (``spec_result``; the engine needs ``disable_log_stats=False``). A step that returns nothing for
-    ``step_timeout_s`` while requests are open is an error, not a wait."""
+    ``step_timeout_s`` while requests are open is an error, not a wait.
+
+    ``top2``: also ``top2`` per prompt, per output position ``[margin, runner-up]``: the top-1 minus top-2
+    logprob there and the runner-up token (vLLM's ``logprobs=2``; costs time: not for timed runs)."""
     import statistics
 
     from vllm import SamplingParams
@@ -64,9 +68,10 @@ def timed_decode(llm: Any, prompts: list[list[int]], *, batch_size: int, max_tok
     engine = llm.llm_engine
     if engine.has_unfinished_requests():
         raise RuntimeError("timed_decode: the engine already has unfinished requests")
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2 if top2 else None)
     before = _snapshot(llm) if speculative else None
     ids: dict[int, list[int]] = {}
+    runner_up: dict[int, list[list[float]]] = {}
     first: dict[str, float] = {}
     tpot_ms: list[float] = []
     nxt = 0
@@ -98,6 +103,8 @@ def timed_decode(llm: Any, prompts: list[list[int]], *, batch_size: int, max_tok
             if out.finished:
                 toks = list(out.outputs[0].token_ids)
                 ids[int(rid[3:])] = toks
+                if top2:
+                    runner_up[int(rid[3:])] = _top2(out.outputs[0].logprobs, toks)
                 if len(toks) > 1 and rid in first:
                     tpot_ms.append(1e3 * (now - first[rid]) / (len(toks) - 1))
                 if nxt < len(prompts):
@@ -112,9 +119,39 @@ def timed_decode(llm: Any, prompts: list[list[int]], *, batch_size: int, max_tok
         "outputs": outputs,
         "tpot_ms_median": statistics.median(tpot_ms) if tpot_ms else None,
         "tpot_ms_p99": tpot_ms[min(len(tpot_ms) - 1, int(0.99 * len(tpot_ms)))] if tpot_ms else None}
+    if top2:
+        res["top2"] = [runner_up[i] for i in range(len(prompts))]
     if speculative:
         res["acceptance"] = asdict(spec_result(f"batch {batch_size}", before, _snapshot(llm)))
     return res
+
+
+def _top2(logprobs: Any, toks: list[int]) -> list[list[float]]:
+    """Per position ``[top-1 - top-2 logprob, runner-up token]`` from vLLM's per-position logprob dicts (the
+    sampled token plus the top 2); the greedy token must be the top one, else the output is not greedy."""
+    if logprobs is None or len(logprobs) != len(toks):
+        raise RuntimeError(f"timed_decode(top2=True): {0 if logprobs is None else len(logprobs)} logprob "
+                           f"positions for {len(toks)} tokens")
+    rows = []
+    for pos, (d, tok) in enumerate(zip(logprobs, toks)):
+        ranked = sorted(d.items(), key=lambda kv: -kv[1].logprob)
+        if len(ranked) < 2:
+            raise RuntimeError(f"timed_decode(top2=True): position {pos} has {len(ranked)} logprobs, not 2")
+        if ranked[0][0] != tok and ranked[0][1].logprob > d[tok].logprob:
+            raise RuntimeError(f"timed_decode(top2=True): position {pos}: greedy token {tok} is not the top one "
+                               f"({ranked[0][0]})")
+        second = next((t, lp) for t, lp in ranked if t != tok)
+        rows.append([float(d[tok].logprob - second[1].logprob), int(second[0])])
+    return rows
+
+
+def first_divergence(out: list[int], ref: list[int]) -> int | None:
+    """The first position where ``out`` and ``ref`` differ (a length difference counts at the shorter's
+    end), or None when they are equal."""
+    for i, (a, b) in enumerate(zip(out, ref)):
+        if a != b:
+            return i
+    return None if len(out) == len(ref) else min(len(out), len(ref))
 
 
 EVAL_GPU_MEMORY_UTILIZATION = 0.05

@@ -80,6 +80,27 @@ def test_serving_is_paired_and_greedy_outputs_equal_plain(loop: tuple[Path, Path
     assert set(j["goals"]) == {"eagle3_speedup_b1_ge_1.5", "eagle3_above_ngram_everywhere", "outputs_equal_plain_all"}
 
 
+def test_serving_profile_margins_and_engine_facts(loop: tuple[Path, Path, dict]) -> None:
+    """The untimed extras after the rounds: EAGLE-3's engine profiled at batch 1 (the profile's
+    serve_profile), plain's top-2 margins (its margin run reproduces its timed batch-1 outputs; no variant
+    diverges from it in float32), and each engine's start-up facts read from its log."""
+    _, out, j = loop
+    prof = j["serve_profiles"]
+    assert list(prof) == ["eagle3"], prof
+    sm = prof["eagle3"]["summary"]
+    assert "error" not in sm and sm["window_ms_per_request"] > 0 and sm["top_cpu_ops_ms_per_request"], sm
+    assert prof["eagle3"]["output_tokens"] > 0 and prof["eagle3"]["acceptance_length"] >= 1.0
+    assert j["margin_run_equals_plain_b1"] == 1.0
+    div = j["divergence_from_plain_b1"]
+    assert set(div) == {"plain", "ngram", "eagle3", "dflash"}, div
+    for v, by in div.items():
+        assert sorted(by) == BATCHES and all(d["compared"] == 2 and d["diverged"] == 0 for d in by.values()), (v, by)
+    facts = j["engine_log_facts"]
+    assert set(facts) == {"plain", "ngram", "eagle3", "dflash"}
+    assert any("eagle3" in f.lower() or "speculative" in f.lower() for f in facts["eagle3"]), facts["eagle3"]
+    assert "Outputs that differ from plain's batch-1 output" in (out / "gpu_loop.md").read_text()
+
+
 def test_training_runs_report_rates_curves_and_target(loop: tuple[Path, Path, dict]) -> None:
     _, _, j = loop
     assert math.isfinite(j["target"]["final_loss"]) and j["target"]["parameters"] > 0
