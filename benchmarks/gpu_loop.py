@@ -204,7 +204,7 @@ H200 = Profile(
         "The trainer allocates beside it what the drafter needs (weights + AdamW state ~1.3 GiB, activations "
         "of 8 x 512-token batches). Each evaluation engine (one at a time, eager) takes its weights + a 2 GiB "
         "KV cache (eval.kv_cache_mb), passing vLLM's start-up check with gpu_memory_utilization 0.05. None is "
-        "capped by another, and ~100 GiB stay free. Serving runs its four engines at once, each with a 6 GiB KV "
+        "capped by another, and ~100 GiB stay free. Serving runs all its engines at once, each with a 6 GiB KV "
         "cache."),
 )
 
@@ -1219,13 +1219,18 @@ LOG_FACTS = re.compile(r"cuda ?graph|asynchronous scheduling|attention backend|u
                        r"eagle|dflash|draft|model runner|compilation|cudagraph_mode", re.I)
 
 
+LOG_NOISE = ("SpecDecoding metrics", "cache directory", "saved AOT compiled")
+
+
 def engine_log_facts(path: Path, limit: int = 40) -> list[str]:
     """The start-up lines of a serve worker's log that say how the engine runs (CUDA graphs, async
     scheduling, attention backend, the drafter), without their timestamps, once each."""
     seen: dict[str, None] = {}
     if path.exists():
         for line in path.read_text(errors="replace").splitlines():
-            if LOG_FACTS.search(line) and not line.startswith((SERVE_MSG, "==== ")):
+            # (not progress bars, not the rows of a profiler's op table)
+            if (LOG_FACTS.search(line) and not line.startswith((SERVE_MSG, "==== ")) and "%|" not in line
+                    and " " * 8 not in line and not any(x in line for x in LOG_NOISE)):
                 seen.setdefault(re.sub(r"^.*?\] ", "", line.strip())[:300], None)
                 # The engine's config line is long; its CUDA graph mode sits near the end.
                 for m in re.finditer(r"'cudagraph_mode': [^,]+", line):

@@ -88,6 +88,8 @@ def test_engine_log_facts(tmp_path: Path) -> None:
                    "INFO 12-01 10:00:00 [vllm.py:1] Asynchronous scheduling is enabled.\n"
                    "INFO 12-01 10:00:01 [vllm.py:1] Asynchronous scheduling is enabled.\n"
                    "INFO 12-01 10:00:02 [gpu.py:2] Capturing CUDA graphs (decode, FULL): 100%\n"
+                   "Capturing CUDA graphs (FULL):  43%|####      | 3/7 [00:00<00:00, 25.04it/s]\n"
+                   "(EngineCore pid=1)     _draft_kernel         0.00%       0.000us       0.00%     466\n"
                    "INFO 12-01 10:00:03 [loader.py:3] Loading weights took 0.5 s\n"
                    "INFO 12-01 10:00:04 [core.py:4] Initializing a V1 LLM engine with config: model='m', "
                    + "x" * 400 + " compilation_config={'level': 3, 'cudagraph_mode': <CUDAGraphMode.FULL_AND_PIECEWISE: "
