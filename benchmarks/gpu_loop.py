@@ -188,10 +188,11 @@ H200 = Profile(
                   "max_num_seqs": 32, "enable_prefix_caching": False},
     # b requests in flight (continuous batching); enough prompts that the drain at the end is a small part.
     serve_batches=(1, 8, 32), serve_prompts={1: 16, 8: 64, 32: 160}, serve_max_tokens=128, serve_repeats=2,
-    # Beside the four: why EAGLE-3 ran slower than plain at batch 1 in the second H200 run (TPOT 3.22 ms
-    # against 2.68 at AL 2.31): the same drafter on the V1 runner and with 2 speculative tokens, and a
-    # profile of plain / EAGLE-3 / DFlash decoding at batch 1 (GPU busy share, kernels, CPU ops per token).
-    serve_variants=(*SERVE_VARIANTS, "eagle3-v1", "eagle3-k2"), serve_profile=("plain", "eagle3", "dflash"),
+    # Beside the four: the same EAGLE-3 drafter with 2 and 3 speculative tokens (batch-1 decoding is bound by
+    # the CPU's work per step, third H200 run: an iteration of 4 draft steps costs ~1.7x a plain step, so
+    # fewer draft steps can win), and a profile of plain / EAGLE-3 / DFlash decoding at batch 1 (GPU busy
+    # share, kernels, CPU ops per token). eagle3-v1 (the V1 runner) was 0.63x there: not repeated.
+    serve_variants=(*SERVE_VARIANTS, "eagle3-k2", "eagle3-k3"), serve_profile=("plain", "eagle3", "dflash"),
     margin_prompts=16,
     # Seconds on an H200 (16 cores), from the first loop run there (stage walls: target 141 s at a 100 s
     # budget, eagle3 341 s at 256 steps, a serve variant 86-113 s).
