@@ -82,7 +82,7 @@ if [ "$phase" = serve ]; then  # layertap serve --capture-all vs vllm serve unde
   # vLLM's API server and load generator need packages the lean bundle leaves out: carry their wheels in
   # .gpubundle/serve (scripts/build-serve-wheels.sh) and install what the imports miss.
   python3 scripts/gpu_extra_deps.py .gpubundle/serve vllm.entrypoints.openai.api_server vllm.benchmarks.serve \
-    'vllm.entrypoints.serve.*' 2>&1 \
+    'vllm.entrypoints.serve.*' 'vllm.entrypoints.openai.*' 'vllm.benchmarks.lib.*' 2>&1 \
     | tee "$OUT/serve_deps.log" | tail -4
   rc=${PIPESTATUS[0]}
   if [ "$rc" = 0 ]; then

@@ -60,10 +60,18 @@ for root in sys.argv[1:]:
 """
 
 
+WALK_TIMEOUT_S = 240
+
+
 def _walk(roots: list[str], wheels: dict[str, Path], target: str, installed: list[str]) -> int:
     """Import every submodule of ``roots``; install carried wheels for what they miss; report the rest."""
     for _ in range(60):
-        r = subprocess.run([sys.executable, "-c", WALK, *roots], capture_output=True, text=True)
+        try:
+            r = subprocess.run([sys.executable, "-c", WALK, *roots], capture_output=True, text=True, timeout=WALK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:  # the walk is a best effort beside the direct imports, which passed
+            print(f"walking {', '.join(roots)} took over {WALK_TIMEOUT_S} s; stopped (installed so far: "
+                  f"{', '.join(installed) or 'nothing'})")
+            return 0
         missing: dict[str, str] = {}
         for line in r.stdout.splitlines():
             if line.startswith("MISSING "):
