@@ -120,6 +120,9 @@ class Profile:
     shm_slot_mb: int
     shm_slots: int
     steps: int
+    drafter_steps: dict[str, int] = field(default_factory=dict)
+    """Steps of one drafter where they differ from ``steps`` (e.g. ``drafter_steps={"eagle3": 2304}``: a
+    longer EAGLE-3 run beside a DFlash run of ``steps``); the offline run takes EAGLE-3's."""
     batch: int
     max_len: int
     lr: dict[str, float]
@@ -251,8 +254,10 @@ def apply_overrides(p: Profile, items: list[str]) -> Profile:
         elif parts[0] in {f.name for f in dataclasses.fields(Profile)} and len(parts) == 1:
             if parts[0] == "serve_prompts":
                 val = {int(k): int(v) for k, v in val.items()}
-            if parts[0] == "serve_batches":
+            if parts[0] in ("serve_batches", "serve_variants", "serve_profile"):
                 val = tuple(val)
+            if parts[0] == "drafter_steps" and (not isinstance(val, dict) or set(val) - set(DRAFTERS)):
+                raise SystemExit(f"--override drafter_steps expects a JSON object with keys from {DRAFTERS}, got {raw!r}")
             p = dataclasses.replace(p, **{parts[0]: val})
         else:
             raise SystemExit(f"--override: unknown key {key!r}")
@@ -629,14 +634,19 @@ def _sets(d: dict[str, Any]) -> list[str]:
     return out
 
 
+def steps_of(p: Profile, kind: str) -> int:
+    return int(p.drafter_steps.get(kind, p.steps))
+
+
 def train_sets(p: Profile, kind: str) -> dict[str, Any]:
+    steps = steps_of(p, kind)
     s: dict[str, Any] = {
         "capture.transport": "shm", "capture.regenerate": True, "capture.max_tokens": p.capture_max_tokens,
         "capture.epochs": p.epochs, "capture.eval_holdout": p.holdout, "capture.max_inflight": p.max_inflight,
         "capture.shm_slot_mb": p.shm_slot_mb, "capture.shm_slots": p.shm_slots,
-        "train.max_steps": p.steps, "train.batch_size": p.batch, "train.lr": p.lr[kind],
+        "train.max_steps": steps, "train.batch_size": p.batch, "train.lr": p.lr[kind],
         "train.warmup_steps": p.warmup, "train.max_len": p.max_len, "train.save_every": p.save_every,
-        "train.log_every": max(1, p.steps // 10), "train.device": p.device, "train.ttt_steps": p.ttt_steps,
+        "train.log_every": max(1, steps // 10), "train.device": p.device, "train.ttt_steps": p.ttt_steps,
         "train.block_size": p.block_size, "train.dflash_layers": p.dflash_layers,
         "eval.every": p.eval_every[kind], "eval.num_prompts": p.eval_prompts, "eval.max_tokens": p.eval_max_tokens,
         "eval.num_spec": p.num_spec, "eval.ngram_k": p.ngram_k, "eval.kv_cache_mb": p.eval_kv_mb,
@@ -821,10 +831,10 @@ def stage_offline(run: Run) -> None:
         write_json(base / "capture.done", {"memory": gpu.summary(), "rejected": rejected})
     run.need("offline training", 0.4 * p.estimates["offline"])
     cmd = [sys.executable, "-m", "layertap", "train-offline", str(ds), "--kind", "eagle3", "--out", str(tr),
-           "--target", target, "--epochs", str(p.epochs), "--max-steps", str(p.steps), "--batch-size", str(p.batch),
+           "--target", target, "--epochs", str(p.epochs), "--max-steps", str(steps_of(p, "eagle3")), "--batch-size", str(p.batch),
            "--lr", str(p.lr["eagle3"]), "--warmup", str(p.warmup), "--max-len", str(p.max_len),
            "--ttt-steps", str(p.ttt_steps), "--save-every", str(p.save_every),
-           "--log-every", str(max(1, p.steps // 10)), "--no-tensorboard", "--device", p.device,
+           "--log-every", str(max(1, steps_of(p, "eagle3") // 10)), "--no-tensorboard", "--device", p.device,
            *(["--resume"] if (tr / "checkpoint.pt").exists() else [])]
     rc, wall = run.sh("offline-train", cmd)
     walls["train_s"] += wall

@@ -100,3 +100,15 @@ def test_engine_log_facts(tmp_path: Path) -> None:
                                               "Initializing a V1 LLM engine with config: model='m', " + "x" * 247,
                                               "'cudagraph_mode': <CUDAGraphMode.FULL_AND_PIECEWISE: (2"]
     assert gpu_loop.engine_log_facts(tmp_path / "absent.log") == []
+
+
+def test_overrides_for_a_longer_eagle3_run() -> None:
+    p = gpu_loop.apply_overrides(gpu_loop.H200, ['drafter_steps={"eagle3": 2304}', "convs=18592",
+                                                 'serve_variants=["plain", "eagle3", "eagle3-k3"]'])
+    assert gpu_loop.steps_of(p, "eagle3") == 2304 and gpu_loop.steps_of(p, "dflash") == p.steps == 768
+    sets = gpu_loop.train_sets(p, "eagle3")
+    assert sets["train.max_steps"] == 2304 and sets["train.log_every"] == 230
+    assert gpu_loop.train_sets(p, "dflash")["train.max_steps"] == 768
+    assert p.convs == 18592 and p.serve_variants == ("plain", "eagle3", "eagle3-k3")
+    with pytest.raises(SystemExit, match="drafter_steps"):
+        gpu_loop.apply_overrides(gpu_loop.H200, ['drafter_steps={"medusa": 10}'])
