@@ -1259,14 +1259,19 @@ def divergences(outputs: list[list[int]], ref: dict[str, Any]) -> dict[str, Any]
     rows = []
     for i, (out, want, top2) in enumerate(zip(outputs, ref["outputs"], ref["top2"])):
         pos = first_divergence(out, want)
-        if pos is not None and pos < len(want) and pos < len(out):
+        if pos is None:
+            continue
+        if pos < len(want) and pos < len(out):
             margin, second = top2[pos]
             rows.append({"prompt": i, "position": pos, "margin": round(margin, 4), "took_runner_up": out[pos] == second})
-    margins = sorted(r["margin"] for r in rows)
+        else:  # one is a prefix of the other: no token to place against plain's margin, but a divergence
+            rows.append({"prompt": i, "position": pos, "margin": None, "took_runner_up": None})
+    margins = sorted(r["margin"] for r in rows if r["margin"] is not None)
+    placed = [r for r in rows if r["margin"] is not None]
     return {"compared": min(len(outputs), len(ref["outputs"])), "diverged": len(rows),
-            "max_margin": margins[-1] if margins else None,
+            "length_only": len(rows) - len(placed), "max_margin": margins[-1] if margins else None,
             "median_margin": margins[len(margins) // 2] if margins else None,
-            "runner_up_share": sum(r["took_runner_up"] for r in rows) / len(rows) if rows else None, "rows": rows}
+            "runner_up_share": sum(r["took_runner_up"] for r in placed) / len(placed) if placed else None, "rows": rows}
 
 
 def serve_summary(run: Run, variants: tuple[str, ...]) -> dict[str, Any]:
@@ -1303,15 +1308,14 @@ def serve_summary(run: Run, variants: tuple[str, ...]) -> dict[str, Any]:
             "profile": r.get("profile"),
         }
     ref = res["plain"].get("margins")
+    n1 = str(min(run.profile.serve_batches))
     if ref:
         # Each output that differs from plain's batch-1 output, placed where it first diverges. Plain's own
         # larger batches are the control: they diverge only by bf16 batch numerics.
         out["divergence_from_plain_b1"] = {
             v: {k: divergences(x["outputs"], ref) for k, x in r["batches"].items()} for v, r in res.items()}
-        out["margin_run_equals_plain_b1"] = (
-            sum(o == q for o, q in zip(ref["outputs"], plain[str(min(run.profile.serve_batches))]["outputs"]))
-            / max(len(ref["outputs"]), 1))
-    n1 = str(min(run.profile.serve_batches))
+        out["margin_run_equals_plain_b1"] = (sum(o == q for o, q in zip(ref["outputs"], plain[n1]["outputs"]))
+                                             / max(len(ref["outputs"]), 1))
     out["plain_batch_invariance"] = {  # plain's own outputs at batch b vs batch 1 (bf16 batch numerics)
         k: sum(o == q for o, q in zip(x["outputs"], plain[n1]["outputs"])) / max(min(len(x["outputs"]),
                                                                                    len(plain[n1]["outputs"])), 1)

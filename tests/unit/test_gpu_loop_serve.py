@@ -63,6 +63,9 @@ def test_divergences_place_each_difference_at_plains_margin() -> None:
     assert [(r["prompt"], r["position"], r["margin"], r["took_runner_up"]) for r in d["rows"]] == [
         (0, 1, 0.01, True), (2, 2, 0.2, False)]
     assert d["max_margin"] == 0.2 and d["runner_up_share"] == 0.5
+    short = gpu_loop.divergences([[1, 2], [4, 5, 6], [7, 8, 9]], ref)  # a prefix of plain's: still diverged
+    assert short["diverged"] == 1 and short["length_only"] == 1 and short["max_margin"] is None
+    assert short["runner_up_share"] is None and short["rows"][0]["position"] == 2
     none = gpu_loop.divergences([[1, 2, 3]], ref)
     assert none["diverged"] == 0 and none["max_margin"] is None and none["compared"] == 1
 
