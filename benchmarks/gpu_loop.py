@@ -689,34 +689,47 @@ def stage_online(run: Run, kind: str) -> None:
     with GpuSampler() as gpu:
         rc, wall = run.sh(kind, cmd)
     prev = read_json(out / "gpu_loop_partial.json") or {"wall_s": 0.0, "calls": 0}
-    prev = {"wall_s": prev["wall_s"] + wall, "calls": prev["calls"] + 1}
+    prev = {"wall_s": prev["wall_s"] + wall, "calls": prev["calls"] + 1,
+            "memory": [*prev.get("memory", []), gpu.summary()]}  # each call's peaks: a resumed run keeps all
     write_json(out / "gpu_loop_partial.json", prev)
     if rc == 124:
         raise DeadlineReached(f"{kind} was stopped at the deadline; it resumes next time")
     if rc != 0:
         raise StageFailed(f"layertap train --drafter {kind} exited {rc}", rc)
-    run.save_result(kind, online_result(run, kind, out, prev, gpu.summary()))
+    run.save_result(kind, online_result(run, kind, out, prev, merge_memory(prev["memory"])))
     r = run.result(kind)
     run.log(f"{kind}: {r['steps']} steps, final loss {r['final_loss']:.4f}, AL in training eval "
             f"{r['train_eval_acceptance_length']}, idle {r['trainer_idle_fraction']}, MFU {r['mfu']}")
+
+
+def merge_memory(calls: list[Any]) -> Any:
+    """GpuSampler summaries of the device calls one stage took, as one: the highest device peak, each
+    process's peak (processes of different calls are different pids)."""
+    calls = [c for c in calls if c]
+    if len(calls) <= 1:
+        return calls[0] if calls else None
+    return {"device_peak_used_mib": max(c["device_peak_used_mib"] for c in calls),
+            "device_total_mib": calls[0]["device_total_mib"],
+            "processes": {k: v for c in calls for k, v in c.get("processes", {}).items()}, "calls": len(calls)}
 
 
 def online_result(run: Run, kind: str, out: Path, walls: dict[str, Any], memory: Any) -> dict[str, Any]:
     p = run.profile
     rep = json.loads((out / "report.json").read_text())
     hist = read_json(out / "history.json") or []
-    rates = rep["rates"]
+    # A resumed run's report sums its invocations' rates (rates_total); older reports only had their last part's.
+    rates = rep.get("rates_total") or rep["rates"]
     final = {r["name"]: r for r in (rep.get("acceptance") or {}).get("results", [])}
     # Every evaluation the run made, also those of an earlier, interrupted part (their result files stay).
     evals = [*rep.get("acceptance_curve", []), *(read_json(f) for f in sorted((out / "evals").glob("result-*.json")))]
     curve = sorted({(int(e["step"]), float(r["mean_acceptance_length"]))
                     for e in evals for r in e.get("results", []) if r["name"] == kind})
     cons = float(rates["consumer_wall_s"])
-    tokens = float(rates["consumer_tokens_per_s"]) * cons  # this invocation's records (a resumed run: since resume)
+    tokens = float(rates.get("consumer_tokens", float(rates["consumer_tokens_per_s"]) * cons))
     busy = cons * (1.0 - float(rates["trainer_idle_fraction"]))
     export = out / "exports" / "final"
     conf = json.loads((export / "config.json").read_text())
-    mean_len = rates["consumer_tokens_per_s"] * cons / max(rates["consumer_records"], 1)
+    mean_len = tokens / max(rates["consumer_records"], 1)
     fpt = (eagle3_flops_per_token(conf, p.ttt_steps, mean_len) if kind == "eagle3"
            else dflash_flops_per_token(conf, p.anchors, mean_len))
     busy_tok_s = tokens / busy if busy > 0 else None
@@ -724,7 +737,8 @@ def online_result(run: Run, kind: str, out: Path, walls: dict[str, Any], memory:
     return {
         "kind": kind, "out": str(out), "export": str(export), "wall_s": round(walls["wall_s"], 1),
         "device_calls": walls["calls"], "resumed": walls["calls"] > 1, "report_wall_s": rep["wall_s"],
-        "rates_note": "rates cover only the last part of a resumed run" if walls["calls"] > 1 else None,
+        "rates_note": (None if walls["calls"] <= 1 else "rates summed over the run's invocations" if "rates_total" in rep
+                       else "rates cover only the last part of a resumed run"),
         "steps": rep["steps"],
         "inputs_trained": rep["inputs_trained"], "layers": rep["layers"], "transport": rep["transport"],
         "final_loss": rep.get("final_loss"), "loss_curve": [[m["step"], m["loss"]] for m in hist],
@@ -1473,7 +1487,8 @@ def write_markdown(path: Path, j: dict[str, Any]) -> None:
     for k in DRAFTERS:
         r = (j.get(k) or {}).get("train")
         if r:
-            L.append(f"| {k}{' (resumed: rates of its last part)' if r.get('resumed') else ''} | {r['wall_s']} | "
+            note = f" ({r['rates_note']})" if r.get("rates_note") else ""
+            L.append(f"| {k}{note} | {r['wall_s']} | "
                      f"{r['steps']} | {fmt(r['final_loss'], 4)} | "
                      f"{fmt(r['train_eval_acceptance_length'])} | {fmt(r['train_eval_ngram_acceptance_length'])} | "
                      f"{fmt(r['trainer_idle_fraction'])} | {fmt(r['trainer_tokens_per_s'], 0)} | "

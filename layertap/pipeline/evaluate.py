@@ -207,6 +207,20 @@ class EvalRunner:
         self.results: list[dict[str, Any]] = []
         self.skipped: list[int] = []
 
+    def load_earlier(self, step: int, max_steps: int) -> None:
+        """A resumed run's evaluations made by its earlier invocations: each result file of a step up to
+        ``step`` (where the run resumes) joins ``results``; a job without a result (its invocation ended
+        while it ran) is noted in ``skipped``. The last step is left to the final evaluation."""
+        for jp in sorted(self.dir.glob("job-*.json"), key=lambda p: int(p.stem.split("-")[1])):
+            s = int(jp.stem.split("-")[1])
+            if s > step or s >= max_steps or json.loads(jp.read_text()).get("baseline"):
+                continue  # not yet due again, or a final evaluation (it runs again at the end)
+            rp = self.dir / f"result-{s}.json"
+            if rp.exists():
+                self.results.append(json.loads(rp.read_text()))
+            else:
+                self.skipped.append(s)
+
     def _spawn(self, step: int, drafters: dict[str, dict[str, Any]], baseline: bool) -> tuple[subprocess.Popen, Path]:
         job = {**self.base, "drafters": drafters, "baseline": baseline, "step": step}
         jp, rp = self.dir / f"job-{step}.json", self.dir / f"result-{step}.json"

@@ -63,13 +63,44 @@ def plot(path: Path, history: list[dict[str, Any]], evals: list[dict[str, Any]],
     plt.close(fig)
 
 
+_SUMMED = ("submitted", "records", "rejected", "retried", "producer_wall_s", "producer_tokens", "consumer_records",
+           "consumer_wall_s", "consumer_tokens", "trainer_startup_wait_s", "trainer_idle_s")
+
+
+def combine_rates(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One ``Rates.summary()`` over the parts of a run (each invocation of a resumed run, ``PARTS``): counts
+    and walls summed, per-second rates and the idle fraction from the sums. Parts that ended without
+    writing rates (killed) are left out; ``parts`` in the report lists them."""
+    rs = [p["rates"] for p in parts if p.get("rates")]
+    if not rs:
+        return {}
+    # A part written before the token totals were in the summary: rate x wall (rounded) stands in for them.
+    tok = {k: sum(r.get(k, r[f"{k}_per_s"] * r[w]) for r in rs)
+           for k, w in (("producer_tokens", "producer_wall_s"), ("consumer_tokens", "consumer_wall_s"))}
+    t = {k: sum(r.get(k, 0) for r in rs) for k in _SUMMED} | tok
+    prod, cons = max(t["producer_wall_s"], 1e-9), max(t["consumer_wall_s"], 1e-9)
+    return {**{k: (round(v, 2) if isinstance(v, float) else v) for k, v in t.items()},
+            "producer_records_per_s": round(t["records"] / prod, 2),
+            "producer_tokens_per_s": round(t["producer_tokens"] / prod, 1),
+            "consumer_records_per_s": round(t["consumer_records"] / cons, 2),
+            "consumer_tokens_per_s": round(t["consumer_tokens"] / cons, 1),
+            "trainer_idle_fraction": round(t["trainer_idle_s"] / cons, 4), "parts": len(rs)}
+
+
 def write_report(out: Path, cfg: PipelineConfig, plan: Any, tr: Any, rates: Any, evals: Any,
-                 final: dict[str, Any], *, wall_s: float, checkpoint: Path) -> dict[str, Any]:
+                 final: dict[str, Any], *, wall_s: float, checkpoint: Path,
+                 parts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """``parts``: every invocation of the run so far (``run.PARTS``; this one last). ``rates`` is this
+    invocation's; ``rates_total`` sums them over the parts, so a resumed run reports all its capture and
+    training, not only its last part's."""
     r = rates.summary()
+    parts = parts or [{"part": 1, "status": "done", "rates": r}]
     rep = {
         "drafter": cfg.drafter, "target": plan.target, "layers": plan.layers, "mode": plan.mode,
         "transport": cfg.capture.transport, "steps": tr.step, "inputs_trained": len(tr.tcfg.extra["consumed"]),
-        "wall_s": round(wall_s, 1), "rates": r, "rejected": rates.rejected, "retried": rates.retried,
+        "wall_s": round(wall_s, 1), "rates": r, "rates_total": combine_rates(parts), "parts": parts,
+        "wall_s_total": round(sum(p.get("wall_s") or 0.0 for p in parts), 1),
+        "rejected": rates.rejected, "retried": rates.retried,
         "acceptance": final, "acceptance_curve": evals.results, "evals_skipped": evals.skipped,
         "checkpoint": str(checkpoint), "export": str(out / "exports" / "final"),
         "final_loss": tr.log.history[-1]["loss"] if tr.log.history else None,
@@ -78,10 +109,12 @@ def write_report(out: Path, cfg: PipelineConfig, plan: Any, tr: Any, rates: Any,
     plot(out / "report.png", tr.log.history, evals.results, cfg.drafter)
     md = [f"# layertap train: {cfg.drafter}", "",
           f"target `{plan.target}`, layers {plan.layers}, {plan.mode} mode, transport {cfg.capture.transport}; "
-          f"{tr.step} steps over {rep['inputs_trained']} inputs in {rep['wall_s']} s wall.", "",
+          f"{tr.step} steps over {rep['inputs_trained']} inputs in {rep['wall_s']} s wall"
+          + (f" ({len(parts)} invocations, {rep['wall_s_total']} s in all)." if len(parts) > 1 else "."), "",
           "## Acceptance in vLLM (held-out prompts, greedy)", "",
           acceptance_table(final) if final else "(evaluation disabled)", "",
-          "## Producer / consumer", "", rates_table(r), "",
+          "## Producer / consumer" + (" (summed over the run's invocations)" if len(parts) > 1 else ""), "",
+          rates_table(rep["rates_total"] if len(parts) > 1 else r), "",
           "Idle fraction = time the trainer waited for a record / time since the first record "
           "(the engine's start-up wait is reported apart).", "",
           "![curves](report.png)", ""]

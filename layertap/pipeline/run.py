@@ -30,6 +30,11 @@ log = logging.getLogger("layertap")
 
 RUN_CONFIG = "run_config.json"
 PROGRESS = "progress.json"
+PARTS = "parts.json"
+"""One entry per invocation of the run (a resumed run has several): when it started, the step it started
+from, how it ended and its producer / consumer rates. Written when the invocation starts (status
+``running``) and again when it ends (``done``, ``interrupted``, ``failed``); an entry still ``running`` when
+the next invocation starts ended without a handler (kill -9, a lost machine) and is marked ``lost``."""
 
 
 class RunExists(FileExistsError):
@@ -114,7 +119,33 @@ def start_run_dir(cfg: PipelineConfig, resume: bool) -> Path:
         raise RunExists(f"{out} already holds a run ({CKPT}); pass --resume to continue it or choose a new --out")
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / RUN_CONFIG, cfg.to_dict())
+    if not resume:
+        (out / PARTS).unlink(missing_ok=True)  # a fresh run: no earlier invocation belongs to it
     return out
+
+
+class Parts:
+    """This invocation's entry in ``PARTS`` (see there)."""
+
+    def __init__(self, out: Path, step: int):
+        self.path = out / PARTS
+        try:
+            self.all: list[dict[str, Any]] = json.loads(self.path.read_text()) if self.path.exists() else []
+        except json.JSONDecodeError:  # written atomically, so only a hand-edited file gets here
+            raise RuntimeError(f"{self.path} is not valid JSON; move it aside to resume without it") from None
+        for p in self.all:
+            if p.get("status") == "running":
+                p["status"] = "lost"
+        self.me = {"part": len(self.all) + 1, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "step_from": step,
+                   "status": "running"}
+        self.all.append(self.me)
+        self.t0 = time.monotonic()
+        _write_json(self.path, self.all)
+
+    def end(self, status: str, step: int, rates: dict[str, Any] | None) -> list[dict[str, Any]]:
+        self.me.update(status=status, step_to=step, wall_s=round(time.monotonic() - self.t0, 1), rates=rates)
+        _write_json(self.path, self.all)
+        return self.all
 
 
 def open_trainer(cfg: PipelineConfig, plan: Plan, out: Path, resume: bool) -> Any:
@@ -205,11 +236,14 @@ def run(cfg: PipelineConfig, *, resume: bool = False) -> dict[str, Any]:
     evals = EvalRunner(out, plan.target, plan.eval_prompts, max_tokens=cfg.eval.max_tokens,
                        ngram_k=cfg.eval.ngram_k, kv_cache_mb=cfg.eval.kv_cache_mb)
     loop.evals = evals if cfg.eval.enabled else None
+    evals.load_earlier(tr.step, tr.tcfg.max_steps)  # a resumed run's earlier evaluations stay in its curve
+    parts = Parts(out, tr.step)
     mgr = InferenceManager(tap_factory(cfg, plan, out), plan.items, mode=plan.mode,
                            sampling_params=sampling_params(plan), skip=loop.consumed,
                            queue_records=cfg.capture.queue_records, should_stop=interrupted)
     print(f"layertap train: {cfg.drafter} on {plan.target}; {len(mgr.items)} inputs to capture "
           f"({len(loop.consumed)} already trained on), layers {plan.layers}, {cfg.capture.transport}", flush=True)
+    status = "failed"
     try:
         try:
             mgr.start()
@@ -226,7 +260,13 @@ def run(cfg: PipelineConfig, *, resume: bool = False) -> dict[str, Any]:
         check_interrupted()
         final = evals.final(tr.step, drafters) if cfg.eval.enabled else {}
         check_interrupted()
+        status = "done"
         return write_report(out, cfg, plan, tr, mgr.rates, evals, final, wall_s=time.monotonic() - wall0,
-                            checkpoint=ckpt)
+                            checkpoint=ckpt, parts=parts.end("done", tr.step, mgr.rates.summary()))
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
     finally:
         evals.close()
+        if parts.me["status"] == "running":  # not ended above: an interrupt or an error
+            parts.end(status, tr.step, mgr.rates.summary())

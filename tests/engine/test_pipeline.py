@@ -137,6 +137,15 @@ def test_resume_feeds_each_input_once(resumed):
     after = _ckpt_consumed(out)
     assert sorted(after) == list(range(N_INPUTS)), after
     assert rep["steps"] == N_INPUTS // BATCH
+    # The report covers both invocations: the interrupted one's rates are not lost with it.
+    first, second = rep["parts"]
+    assert first["status"] == "interrupted" and first["step_from"] == 0 and first["step_to"] >= 3, first
+    assert second["status"] == "done" and second["step_from"] == len(before) // BATCH, second
+    assert first["rates"]["consumer_records"] >= len(before) > 0
+    total = rep["rates_total"]
+    assert total["parts"] == 2
+    assert total["consumer_records"] == first["rates"]["consumer_records"] + rep["rates"]["consumer_records"]
+    assert total["records"] == first["rates"]["records"] + rep["rates"]["records"]
 
 
 def test_report_has_acceptance_and_rates(resumed):
@@ -188,3 +197,6 @@ def test_sigkill_leaves_nothing_and_resume_finishes(killed):
     assert rep["rates"]["submitted"] == N_INPUTS - len(before)
     assert sorted(_ckpt_consumed(out)) == list(range(N_INPUTS))
     assert rep["steps"] == N_INPUTS // BATCH
+    # The killed invocation never wrote its end: the ledger says so instead of dropping it.
+    assert [p["status"] for p in rep["parts"]] == ["lost", "done"], rep["parts"]
+    assert rep["rates_total"]["parts"] == 1

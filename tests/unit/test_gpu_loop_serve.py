@@ -115,3 +115,12 @@ def test_overrides_for_a_longer_eagle3_run() -> None:
     assert p.convs == 18592 and p.serve_variants == ("plain", "eagle3", "eagle3-k3")
     with pytest.raises(SystemExit, match="drafter_steps"):
         gpu_loop.apply_overrides(gpu_loop.H200, ['drafter_steps={"medusa": 10}'])
+
+
+def test_merge_memory_keeps_every_calls_peaks():
+    """A drafter stage resumed over two device calls reports the higher device peak and every process."""
+    a = {"device_peak_used_mib": 39000, "device_total_mib": 143771, "processes": {"11": {"peak_mib": 9990}}}
+    b = {"device_peak_used_mib": 29000, "device_total_mib": 143771, "processes": {"42": {"peak_mib": 1392}}}
+    m = gpu_loop.merge_memory([a, None, b])
+    assert m["device_peak_used_mib"] == 39000 and set(m["processes"]) == {"11", "42"} and m["calls"] == 2
+    assert gpu_loop.merge_memory([a]) is a and gpu_loop.merge_memory([None]) is None
