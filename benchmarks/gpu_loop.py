@@ -161,6 +161,16 @@ class Profile:
     flips under bf16 batch numerics; a speculation bug need not be near one)."""
     estimates: dict[str, float]
     """Seconds each stage (serve: each variant) takes on this profile's machine, for the deadline guard."""
+    offline_records: int | None = None
+    """The offline run (capture to disk, ``train-offline``) takes the first N of the online EAGLE-3 run's
+    inputs (None: all of them) and as many steps as they fill; the report compares per 1000 records and
+    extrapolates the dataset's size to the online run's. Its dataset holds every row on disk, which at the
+    online run's size need not fit (2304 x 8 records of this target: ~120 GB)."""
+    parallel_drafters: bool = False
+    """Run the EAGLE-3 and DFlash stages at once (two ``layertap train`` runs, each with its capture engine
+    and trainer, on the one device): their engine starts and evaluations overlap. Their capture engines
+    then need a fixed KV cache (``engine.kv_cache_memory_bytes``): two engines profiling memory at the same
+    moment would see each other's allocations."""
     memory_plan: str = ""
 
 
@@ -168,20 +178,29 @@ H200 = Profile(
     name="h200", device="cuda",
     # Qwen3-1.7B-like body (24 x 2048, GQA 16/8 heads of 128) with the 2048-token stdlib tokenizer:
     # 1.2 B parameters, up to 6.6 M training tokens (400 x 32 x 512; ~37 K tok/s measured in bf16 autocast),
-    # the loop capped at 150 s so the stage fits one device call with its data preparation.
+    # the loop capped at 100 s (loss ~1.8; every H200 run since the fifth session) so the stage fits the first
+    # device call while the vLLM bundle's second part is still to come.
     target=TargetSpec(model=TinySpec(kind="qwen3", hidden_size=2048, num_layers=24, num_heads=16, num_kv_heads=8,
                                      head_dim=128, intermediate_size=6144, vocab_size=2048),
                       steps=400, batch_size=32, seq_len=512, lr=6e-4, warmup=40),
-    target_dtype="bfloat16", target_budget_s=150.0,
-    # 6144 fresh conversations, one pass, 768 steps of 8 records (~1.4 M trained tokens per drafter). The
-    # first H200 run (256 steps) spent 80 s of its 120 s span waiting for the engine and its trainer sat
-    # idle 39% of the rest at 50 records/s from 64 in flight, so 3x the steps cost ~1.5 min, not 3x: the
-    # engine now runs 128 in flight. Evaluations (engine starts) at 384 and 768 only.
-    convs=6144 + 160, holdout=160, capture_max_tokens=128, epochs=1, max_inflight=128, shm_slot_mb=4, shm_slots=512,
-    steps=768, batch=8, max_len=512, lr={"eagle3": 1e-3, "dflash": 6e-4}, warmup=30, save_every=192,
-    ttt_steps=4, num_spec=4, block_size=8, dflash_layers=2,
-    eval_every={"eagle3": 384, "dflash": 384}, eval_prompts=16, eval_max_tokens=64, eval_kv_mb=2048,
-    engine={"gpu_memory_utilization": 0.2, "max_model_len": 1024, "max_num_seqs": 128},
+    target_dtype="bfloat16", target_budget_s=100.0,
+    # Fresh conversations, one pass, 8 records a step. DFlash: 768 steps. EAGLE-3: 2304 steps on 18,432
+    # conversations (~4 M trained tokens): at 768 steps its AL in vLLM was 2.37 and its batch-1 speed-up 1.33x
+    # (one iteration costs ~1.7x a plain step of CPU, so 1.5x needs AL >= ~2.55); at 2304 steps AL 2.61 and
+    # 1.60x (RESULTS.md, 2026-12-02). ~62 records/s from 128 in flight, so ~5 min of capture + training; the
+    # stage spans two device calls (it resumes). Evaluations (engine starts) at the half-way step and the end.
+    convs=18432 + 160, holdout=160, capture_max_tokens=128, epochs=1, max_inflight=128, shm_slot_mb=4, shm_slots=512,
+    steps=768, drafter_steps={"eagle3": 2304}, batch=8, max_len=512, lr={"eagle3": 1e-3, "dflash": 6e-4}, warmup=30,
+    save_every=192, ttt_steps=4, num_spec=4, block_size=8, dflash_layers=2,
+    eval_every={"eagle3": 1152, "dflash": 384}, eval_prompts=16, eval_max_tokens=64, eval_kv_mb=2048,
+    # Offline on the first 2048 inputs (256 steps, ~13 GB on disk; all 18,432 would need ~120 GB).
+    offline_records=2048,
+    # A fixed KV cache (16 GiB: ~150 K tokens of KV + capture planes, 128 requests of ~450 tokens need ~60 K):
+    # the EAGLE-3 and DFlash capture engines start at the same moment (parallel_drafters) and must not size
+    # their caches by profiling a device the other is filling. Utilization 0.2 only feeds the start-up check.
+    engine={"gpu_memory_utilization": 0.2, "max_model_len": 1024, "max_num_seqs": 128,
+            "kv_cache_memory_bytes": 16 << 30},
+    parallel_drafters=True,
     # The four serving engines are alive at once (stage_serve), so each gets a fixed KV cache (6 GiB: ~60 K
     # tokens of target + drafter KV, 32 requests of <= 1024 need <= 33 K), which also skips vLLM's memory
     # profiling (engines starting together would see each other's allocations); utilization 0.1 only feeds
@@ -190,26 +209,27 @@ H200 = Profile(
     serve_engine={"kv_cache_memory_bytes": 6 << 30, "gpu_memory_utilization": 0.1, "max_model_len": 1024,
                   "max_num_seqs": 32, "enable_prefix_caching": False},
     # b requests in flight (continuous batching); enough prompts that the drain at the end is a small part.
-    serve_batches=(1, 8, 32), serve_prompts={1: 16, 8: 64, 32: 160}, serve_max_tokens=128, serve_repeats=2,
-    # Beside the four: the same EAGLE-3 drafter with 2 and 3 speculative tokens (batch-1 decoding is bound by
-    # the CPU's work per step, third H200 run: an iteration of 4 draft steps costs ~1.7x a plain step, so
-    # fewer draft steps can win), and a profile of plain / EAGLE-3 / DFlash decoding at batch 1 (GPU busy
-    # share, kernels, CPU ops per token). eagle3-v1 (the V1 runner) was 0.63x there: not repeated.
-    serve_variants=(*SERVE_VARIANTS, "eagle3-k2", "eagle3-k3"), serve_profile=("plain", "eagle3", "dflash"),
+    # 3 interleaved rounds: batch-1 ratios of single rounds ranged 1.13-1.97 on 2026-12-02.
+    serve_batches=(1, 8, 32), serve_prompts={1: 16, 8: 64, 32: 160}, serve_max_tokens=128, serve_repeats=3,
+    # Beside the four: the same EAGLE-3 drafter with 3 speculative tokens (batch-1 decoding is bound by the
+    # CPU's work per step: an iteration of 4 draft steps costs ~1.7x a plain step, so fewer can win; k=2 was
+    # below k=4 at every batch size on 2026-12-02, eagle3-v1 0.63x on 2026-12-01: neither repeated). The
+    # batch-1 profiles (serve_profile) of plain / EAGLE-3 / DFlash are in RESULTS.md (2026-12-01); not repeated.
+    serve_variants=(*SERVE_VARIANTS, "eagle3-k3"), serve_profile=(),
     margin_prompts=16,
-    # Seconds on an H200 (16 cores), from the first loop run there (stage walls: target 141 s at a 100 s
-    # budget, eagle3 341 s at 256 steps, a serve variant 86-113 s).
+    # Seconds on an H200 (16 cores) for the deadline guard: target 160 s; a drafter stage is resumable, so
+    # its estimate is what it needs to make progress (EAGLE-3 at 2304 steps took 716 s over two calls);
+    # serve 356 s with five engines.
     estimates={"target": 200, "eagle3": 400, "dflash": 400, "offline": 200, "serve": 420, "report": 15},
     memory_plan=(
-        "One H200 (~140 GiB) holds three kinds of process during an online run. The capture engine reserves "
-        "gpu_memory_utilization 0.2 (~28 GiB): bf16 weights 2.3 GiB, CUDA graphs and activations a few GiB, "
-        "the rest KV cache, where the capture planes live too (96 KiB KV + 16 KiB planes per token: ~200 K "
-        "tokens, 1.5x what 128 requests of <= 1024 tokens in flight need); more KV would not capture faster. "
-        "The trainer allocates beside it what the drafter needs (weights + AdamW state ~1.3 GiB, activations "
-        "of 8 x 512-token batches). Each evaluation engine (one at a time, eager) takes its weights + a 2 GiB "
-        "KV cache (eval.kv_cache_mb), passing vLLM's start-up check with gpu_memory_utilization 0.05. None is "
-        "capped by another, and ~100 GiB stay free. Serving runs all its engines at once, each with a 6 GiB KV "
-        "cache."),
+        "One H200 (~140 GiB) holds both online runs at once (parallel_drafters). Each capture engine has a "
+        "fixed 16 GiB KV cache, where the capture planes live too (96 KiB KV + 16 KiB planes per token: ~150 K "
+        "tokens; 128 requests of ~450 tokens in flight need ~60 K), beside its bf16 weights (2.3 GiB), CUDA "
+        "graphs and activations (a few GiB): ~21 GiB each. Each trainer allocates what its drafter needs "
+        "(EAGLE-3 ~10 GiB, DFlash ~37 GiB at 8 x 512-token batches). Each evaluation engine (eager; one per run "
+        "at a time) takes its weights + a 2 GiB KV cache (eval.kv_cache_mb), passing vLLM's start-up check "
+        "with gpu_memory_utilization 0.05. Peak ~100 GiB; none is capped by another. Serving runs all its "
+        "engines at once, each with a 6 GiB KV cache."),
 )
 
 CPU_TINY = Profile(
@@ -222,6 +242,8 @@ CPU_TINY = Profile(
     # One periodic evaluation (EAGLE-3's) is enough to prove the path here: each costs a CPU engine start.
     eval_every={"eagle3": 3, "dflash": 0}, eval_prompts=4, eval_max_tokens=16, eval_kv_mb=64,
     engine={},  # layertap train's CPU defaults (eager, 128 MiB KV cache, 1024 context)
+    parallel_drafters=True,  # the H200 profile's path; on 2 cores the two stages take about as long as in turn
+    offline_records=16,  # half the training conversations: the subset path of the H200 profile
     serve_engine={"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024,
                   "max_num_seqs": 4, "enable_prefix_caching": False},
     serve_batches=(1, 4), serve_prompts={1: 2, 4: 4}, serve_max_tokens=16, serve_repeats=2,
@@ -383,6 +405,7 @@ class Run:
     t0: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
+        self.lock = threading.RLock()  # state, results and the log: two drafter stages may run at once
         for d in ("logs", "results", "report", "data"):
             (self.work / d).mkdir(parents=True, exist_ok=True)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -393,9 +416,10 @@ class Run:
 
     def mark(self, name: str, status: str, wall_s: float, error: str | None = None) -> None:
         """Record a stage's (or serve variant's) outcome in WORK/state.json, over all invocations."""
-        st = self.state["steps"].setdefault(name, {"wall_s": 0.0, "attempts": 0})
-        st.update(status=status, error=error, wall_s=round(st["wall_s"] + wall_s, 1), attempts=st["attempts"] + 1)
-        write_json(self.work / "state.json", self.state)
+        with self.lock:
+            st = self.state["steps"].setdefault(name, {"wall_s": 0.0, "attempts": 0})
+            st.update(status=status, error=error, wall_s=round(st["wall_s"] + wall_s, 1), attempts=st["attempts"] + 1)
+            write_json(self.work / "state.json", self.state)
 
     @property
     def failures(self) -> dict[str, str]:
@@ -409,9 +433,10 @@ class Run:
 
     def log(self, msg: str) -> None:
         line = f"[gpu_loop {self.elapsed():6.0f}s] {msg}"
-        print(line, flush=True)
-        self._log.write(line + "\n")
-        self._log.flush()
+        with self.lock:
+            print(line, flush=True)
+            self._log.write(line + "\n")
+            self._log.flush()
 
     def need(self, what: str, seconds: float) -> None:
         """Refuse to start ``what`` unless its estimate fits before the point where ``sh`` would stop it."""
@@ -423,7 +448,8 @@ class Run:
         return read_json(self.work / "results" / f"{name}.json")
 
     def save_result(self, name: str, obj: Any) -> None:
-        write_json(self.work / "results" / f"{name}.json", obj)
+        with self.lock:
+            write_json(self.work / "results" / f"{name}.json", obj)
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ)
@@ -449,7 +475,7 @@ class Run:
             logf.write(f"\n==== {datetime.now(timezone.utc).isoformat()} {' '.join(cmd)}\n")
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                     env=env or self.env(), cwd=REPO, start_new_session=True, errors="replace")
-            pump = threading.Thread(target=self._pump, args=(proc, logf), daemon=True)
+            pump = threading.Thread(target=self._pump, args=(proc, logf, name), daemon=True)
             pump.start()
             timeout = max(self.left() - grace, 1.0) if self.deadline_s is not None else None
             try:
@@ -466,14 +492,15 @@ class Run:
             self.log(f"{name}: last lines of {logp}:\n" + "\n".join("    " + t for t in tail))
         return rc, wall
 
-    def _pump(self, proc: subprocess.Popen, logf: Any) -> None:
+    def _pump(self, proc: subprocess.Popen, logf: Any, name: str) -> None:
         echoed = 0
+        tag = f"{name}: " if self.profile.parallel_drafters else ""  # two stages may echo at once
         for line in proc.stdout:  # type: ignore[union-attr]
             logf.write(line)
             text = line.rstrip("\n").split("\r")[-1]
             if echoed < 150 and not NOISE.search(text):
                 echoed += 1
-                print(f"    | {text[:200]}", flush=True)
+                print(f"    | {tag}{text[:200]}", flush=True)
         logf.flush()
 
 
@@ -686,8 +713,10 @@ def stage_online(run: Run, kind: str) -> None:
         sets = {**train_sets(p, kind), "capture.shm_slots": shm_slots_that_fit(run)}
         cmd = [sys.executable, "-m", "layertap", "train", "--target", target, "--data", data["convs"],
                "--drafter", kind, "--out", str(out), *_sets(sets)]
+    # Drafter stages running at once compile the same target: each gets its own compile cache.
+    env = run.env({"VLLM_CACHE_ROOT": str(run.work / "vllm-cache" / f"train-{kind}")}) if p.parallel_drafters else None
     with GpuSampler() as gpu:
-        rc, wall = run.sh(kind, cmd)
+        rc, wall = run.sh(kind, cmd, env=env)
     prev = read_json(out / "gpu_loop_partial.json") or {"wall_s": 0.0, "calls": 0}
     prev = {"wall_s": prev["wall_s"] + wall, "calls": prev["calls"] + 1,
             "memory": [*prev.get("memory", []), gpu.summary()]}  # each call's peaks: a resumed run keeps all
@@ -801,11 +830,11 @@ def engine_flags(d: dict[str, Any]) -> list[str]:
     return out
 
 
-def check_disk(run: Run, where: Path, data: dict[str, Any], target: str) -> None:
+def check_disk(run: Run, where: Path, prompts_path: Path, target: str) -> None:
     """The dataset holds every captured row: tokens x planes x hidden x 2 bytes (bf16/fp16 engines; fp32
     twice that). Fail before the engine starts when the disk cannot take it."""
     c = json.loads((Path(target) / "config.json").read_text())
-    prompts = [json.loads(x)["token_ids"] for x in Path(data["train_prompts"]).read_text().splitlines()]
+    prompts = [json.loads(x)["token_ids"] for x in prompts_path.read_text().splitlines()]
     rows = sum(len(x) for x in prompts) + len(prompts) * run.profile.capture_max_tokens
     est = rows * len(capture_layers(target)) * int(c["hidden_size"]) * 4  # fp32 bound; bf16 halves it
     free = shutil.disk_usage(where).free
@@ -813,6 +842,23 @@ def check_disk(run: Run, where: Path, data: dict[str, Any], target: str) -> None
     if free < 0.55 * est:
         raise StageFailed(f"{where} has {free / 2**30:.1f} GiB free; the offline dataset needs about "
                           f"{est / 2**31:.1f} GiB (bf16)")
+
+
+def offline_inputs(run: Run, data: dict[str, Any], base: Path) -> tuple[Path, int]:
+    """(prompts file, max steps) of the offline run: the first ``offline_records`` training prompts (the
+    online run's inputs, in file order) and the steps they fill, or all of them and EAGLE-3's steps."""
+    p = run.profile
+    src = Path(data["train_prompts"])
+    n = p.offline_records
+    if n is None or n >= data["num_train"]:
+        return src, steps_of(p, "eagle3")
+    dst = base / f"prompts-{n}.jsonl"
+    if not dst.exists():
+        lines = src.read_text().splitlines()[:n]
+        tmp = dst.with_suffix(".tmp")
+        tmp.write_text("".join(x + "\n" for x in lines))
+        os.replace(tmp, dst)
+    return dst, min(steps_of(p, "eagle3"), max(1, n // p.batch))
 
 
 def stage_offline(run: Run) -> None:
@@ -825,9 +871,10 @@ def stage_offline(run: Run) -> None:
     layers = ",".join(str(i) for i in capture_layers(target))
     eng = dict(p.engine) if p.device == "cuda" else {"enforce_eager": True, "max_model_len": 1024,
                                                       "kv_cache_memory_bytes": 128 << 20}
+    prompts, steps = offline_inputs(run, data, base)
     if not (base / "capture.done").exists():
-        check_disk(run, ds.parent, data, target)
-        cmd = [sys.executable, "-m", "layertap", "capture", "--model", target, "--data", data["train_prompts"],
+        check_disk(run, ds.parent, prompts, target)
+        cmd = [sys.executable, "-m", "layertap", "capture", "--model", target, "--data", str(prompts),
                "--layers", layers, "--out", str(ds), "--mode", "generate", "--max-tokens", str(p.capture_max_tokens),
                "--max-inflight", str(p.max_inflight), *engine_flags(eng)]
         with GpuSampler() as gpu:
@@ -845,10 +892,10 @@ def stage_offline(run: Run) -> None:
         write_json(base / "capture.done", {"memory": gpu.summary(), "rejected": rejected})
     run.need("offline training", 0.4 * p.estimates["offline"])
     cmd = [sys.executable, "-m", "layertap", "train-offline", str(ds), "--kind", "eagle3", "--out", str(tr),
-           "--target", target, "--epochs", str(p.epochs), "--max-steps", str(steps_of(p, "eagle3")), "--batch-size", str(p.batch),
+           "--target", target, "--epochs", str(p.epochs), "--max-steps", str(steps), "--batch-size", str(p.batch),
            "--lr", str(p.lr["eagle3"]), "--warmup", str(p.warmup), "--max-len", str(p.max_len),
            "--ttt-steps", str(p.ttt_steps), "--save-every", str(p.save_every),
-           "--log-every", str(max(1, steps_of(p, "eagle3") // 10)), "--no-tensorboard", "--device", p.device,
+           "--log-every", str(max(1, steps // 10)), "--no-tensorboard", "--device", p.device,
            *(["--resume"] if (tr / "checkpoint.pt").exists() else [])]
     rc, wall = run.sh("offline-train", cmd)
     walls["train_s"] += wall
@@ -875,6 +922,7 @@ def stage_offline(run: Run) -> None:
         "final_loss": hist[-1]["loss"] if hist else None, "loss_curve": [[m["step"], m["loss"]] for m in hist],
         "export": str(base / "export"), "capture_memory": (read_json(base / "capture.done") or {}).get("memory"),
         "capture_rejected": (read_json(base / "capture.done") or {}).get("rejected", 0),
+        "inputs": len(prompts.read_text().splitlines()), "max_steps": steps,
     }
     run.save_result("offline", res)
     run.log(f"offline: capture {res['capture_wall_s']}s ({n_rec} records, {res['dataset_bytes'] / 2**20:.1f} MiB), "
@@ -1395,8 +1443,16 @@ def summary(run: Run, variants: tuple[str, ...]) -> dict[str, Any]:
         if e3:
             r = e3["rates"]
             span = round(r["trainer_startup_wait_s"] + r["consumer_wall_s"], 1)
+        on_recs = (e3 or {}).get("inputs_trained")
+        per_k = lambda x, n: round(1000 * x / n, 1) if x is not None and n else None  # noqa: E731
         j["offline"] = {**{k: v for k, v in off.items() if k != "loss_curve"},
                         "online_wall_s": on_wall, "online_capture_train_span_s": span, "online_disk_bytes": 0,
+                        "online_inputs": on_recs,
+                        # Per 1000 records, so an offline run on a subset (Profile.offline_records) compares.
+                        "offline_total_s_per_1k": per_k(off["total_wall_s"], off["dataset_records"]),
+                        "online_span_s_per_1k": per_k(span, on_recs),
+                        "offline_dataset_bytes_at_online_size": (round(off["dataset_bytes"] * on_recs / off["dataset_records"])
+                                                                 if on_recs and off["dataset_records"] else None),
                         "online_shm_pool_bytes": p.shm_slots * (p.shm_slot_mb << 20),
                         "note": "online wall includes its periodic and final acceptance evaluations and the export; "
                                 "the span is first-record wait + consumer time (capture and training overlapped)"}
@@ -1495,13 +1551,20 @@ def write_markdown(path: Path, j: dict[str, Any]) -> None:
                      f"{fmt(r['trainer_busy_tokens_per_s'], 0)} | {fmt(r['mfu'], 4)} | {fmt(r['records_per_s'], 1)} |")
     o = j.get("offline")
     if o:
-        L += ["", "## Offline vs online (EAGLE-3, same inputs, steps and batch)", "",
+        same = o.get("online_inputs") in (None, o["dataset_records"])
+        L += ["", "## Offline vs online (EAGLE-3, same recipe" + (", inputs and steps)" if same else
+              f"; offline on the first {o['dataset_records']} of the online run's {o['online_inputs']} inputs)"), "",
               "| | wall s | disk bytes |", "|---|---|---|",
               f"| offline capture | {o['capture_wall_s']} | {o['dataset_bytes']:,} ({o['dataset_records']} records) |",
               f"| offline train-offline | {o['train_wall_s']} | |", f"| offline total | {o['total_wall_s']} | |",
               f"| online (layertap train, incl. evaluations) | {fmt(o['online_wall_s'], 1)} | 0 (shm pool "
               f"{o['online_shm_pool_bytes']:,} in RAM) |",
-              f"| online capture + train span | {fmt(o['online_capture_train_span_s'], 1)} | |", "", o["note"]]
+              f"| online capture + train span | {fmt(o['online_capture_train_span_s'], 1)} | |", "",
+              f"Per 1000 records: offline {fmt(o.get('offline_total_s_per_1k'), 1)} s (capture + train-offline), "
+              f"online {fmt(o.get('online_span_s_per_1k'), 1)} s (capture and training overlapped)."
+              + ("" if same or not o.get("offline_dataset_bytes_at_online_size") else
+                 f" At the online run's size the offline dataset would hold "
+                 f"{o['offline_dataset_bytes_at_online_size'] / 2**30:.1f} GiB."), "", o["note"]]
     L += ["", "## Memory", "", j["memory"]["plan"], ""]
     for k in DRAFTERS:
         m = j["memory"].get(k)
@@ -1646,15 +1709,19 @@ def main(argv: list[str]) -> int:
         ("target", lambda: stage_target(run)), ("eagle3", lambda: stage_online(run, "eagle3")),
         ("dflash", lambda: stage_online(run, "dflash")), ("offline", lambda: stage_offline(run)),
         ("serve", lambda: stage_serve(run, variants))]
-    for name, fn in steps:
+    def pending(name: str) -> bool:
         if name not in stages:
-            continue
+            return False
         if run.result(name) is not None:
             run.log(f"{name}: done earlier, skipped")
-            continue
+            return False
         if run.state["steps"].get(name, {}).get("status") == "failed" and not a.retry_failed:
             run.log(f"{name}: FAILED in an earlier call, not retried (--retry-failed): {run.failures[name]}")
-            continue
+            return False
+        return True
+
+    def attempt(name: str, fn: Callable[[], None]) -> str:
+        """One stage, logged and marked; its outcome: done | deferred | deadline | failed."""
         t0 = time.monotonic()
         try:
             if name != "target" and run.result("target") is None:
@@ -1665,27 +1732,59 @@ def main(argv: list[str]) -> int:
             fn()
             run.log(f"{name}: done in {time.monotonic() - t0:.0f}s")
             run.mark(name, "done", time.monotonic() - t0)
+            return "done"
         except Deferred as e:
             run.log(f"{name}: deferred: {e} (a later call runs it)")
             run.mark(name, "deferred", time.monotonic() - t0, str(e))
-            later = True
+            return "deferred"
         except DeadlineReached as e:
             run.log(f"deadline: {e}; stopping here (run the same command again to resume)")
             run.mark(name, "deadline", time.monotonic() - t0, str(e))
-            later = True
-            break
+            return "deadline"
         except StageFailed as e:
             run.mark(name, "failed", time.monotonic() - t0, str(e))
             run.log(f"{name}: FAILED: {e}")
-            failed = True
+            return "failed"
         except Exception as e:  # a bug here must not cost the device call: log it, go on with the rest
             run.mark(name, "failed", time.monotonic() - t0, f"{type(e).__name__}: {e}")
             run.log(f"{name}: FAILED with an unexpected error:\n{traceback.format_exc()}")
-            failed = True
+            return "failed"
+
+    together = set(DRAFTERS) if profile.parallel_drafters else set()
+    attempted: set[str] = set()
+    for name, fn in steps:
+        if name in attempted or not pending(name):
+            continue
+        group = [(name, fn)] + [(n, f) for n, f in steps
+                                if name in together and n in together and n != name and pending(n)]
+        attempted.update(n for n, _ in group)
+        if len(group) == 1:
+            outcomes = [attempt(name, fn)]
+        else:  # the drafter stages at once (Profile.parallel_drafters), each in a thread of its own
+            try:
+                if run.result("target") is not None:
+                    ensure_data(run, target_path(run))  # written once, here, not by two threads at once
+            except Exception as e:  # each stage meets it again and fails by name
+                run.log(f"data for the drafter stages: {type(e).__name__}: {e}")
+            run.log(f"{' and '.join(n for n, _ in group)}: at once (parallel_drafters)")
+            outcomes = [""] * len(group)
+
+            def one(i: int, n: str, f: Callable[[], None]) -> None:
+                outcomes[i] = attempt(n, f)
+
+            threads = [threading.Thread(target=one, args=(i, n, f), name=f"stage-{n}") for i, (n, f) in enumerate(group)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        failed = failed or "failed" in outcomes
+        later = later or any(o in ("deferred", "deadline") for o in outcomes)
         try:
             write_outputs(run, variants, full=False, results_dir=None)  # partial results after every stage
         except Exception:
             run.log(f"partial report FAILED:\n{traceback.format_exc()}")
+        if "deadline" in outcomes:
+            break
     if "report" in stages:
         try:
             j = write_outputs(run, variants, full=True, results_dir=a.results_dir)

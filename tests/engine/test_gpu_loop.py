@@ -1,7 +1,7 @@
 """``benchmarks/gpu_loop.py`` end to end with its CPU profile (``cpu-tiny``): the same code the H200 run
 takes, with real vLLM CPU engines and tiny sizes. The target is the CPU main job's (cached under
-``LAYERTAP_CACHE``); two ``layertap train`` runs (EAGLE-3 with a periodic evaluation, DFlash), the offline
-capture + ``train-offline``, four serving engines (plain, ngram, EAGLE-3, DFlash) at batch 1 and 4, and the
+``LAYERTAP_CACHE``); two ``layertap train`` runs at once (EAGLE-3 with a periodic evaluation, DFlash), the
+offline capture + ``train-offline`` on half the inputs, four serving engines (plain, ngram, EAGLE-3, DFlash) at batch 1 and 4, and the
 report. About 14 CPU engine start-ups: several minutes on 2 cores.
 
 Also: a second call finds every stage done and only rewrites the report (the GPU run resumes this way over
@@ -114,9 +114,24 @@ def test_training_runs_report_rates_curves_and_target(loop: tuple[Path, Path, di
         assert len(t["loss_curve"]) == 6
     steps = [s for s, _ in j["eagle3"]["train"]["acceptance_curve"]]
     assert steps == [3, 6], "EAGLE-3's periodic evaluation (step 3) and the final one"
-    off = j["offline"]
-    assert off["dataset_bytes"] > 0 and off["dataset_records"] > 0 and off["steps"] == 6
+    off = j["offline"]  # the first 16 of the 32 training conversations (offline_records): 4 steps of 4
+    assert off["dataset_records"] == off["inputs"] == 16 and off["steps"] == off["max_steps"] == 4, off
+    assert off["dataset_bytes"] > 0 and off["online_inputs"] >= 24
+    assert off["offline_dataset_bytes_at_online_size"] > off["dataset_bytes"]
     assert _positive(off["capture_wall_s"]) and _positive(off["train_wall_s"]) and _positive(off["online_wall_s"])
+    assert _positive(off["offline_total_s_per_1k"]) and _positive(off["online_span_s_per_1k"])
+
+
+def test_drafter_stages_ran_at_once(loop: tuple[Path, Path, dict]) -> None:
+    """parallel_drafters: both ``layertap train`` runs were alive together (each stage's start is logged
+    before either ends), and each kept its own compile cache."""
+    work, out, _ = loop
+    log = (out / "gpu_loop.log").read_text().splitlines()
+    assert any("eagle3 and dflash: at once" in x for x in log), log[:20]
+    first_end = min(i for i, x in enumerate(log) if x.split("] ", 1)[-1].startswith(("eagle3: exit", "dflash: exit")))
+    starts = [i for i, x in enumerate(log) if x.split("] ", 1)[-1] in ("eagle3: start", "dflash: start")]
+    assert len(starts) == 2 and max(starts) < first_end, log
+    assert (work / "vllm-cache" / "train-eagle3").is_dir() and (work / "vllm-cache" / "train-dflash").is_dir()
 
 
 def test_report_files(loop: tuple[Path, Path, dict]) -> None:
