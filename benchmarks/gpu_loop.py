@@ -14,9 +14,11 @@ so a run split over several device calls resumes where the last one stopped:
              corpus, on CUDA in bf16 where the profile says so; cached by spec hash (``LAYERTAP_CACHE``)
     eagle3   ``python -m layertap train --drafter eagle3`` (real CLI, subprocess): engine and trainer on one
              device, records over shm, periodic acceptance evaluations, export; an interrupted run resumes
-    dflash   the same for DFlash
+    dflash   the same for DFlash; with ``parallel_drafters`` (both profiles) it runs at the same time as
+             eagle3, each stage in a thread of this script driving its own ``layertap train`` process
     offline  ``layertap capture`` (generate mode, file dataset) + ``layertap train-offline --kind eagle3``
-             with the online run's inputs, steps and batch: wall time of each and the dataset's bytes
+             with the online run's inputs (the first ``offline_records`` of them), steps and batch: wall
+             time of each and the dataset's bytes, per 1000 records beside the online run
     serve    one worker process per variant (plain, ngram, eagle3, dflash), all engines alive at once and
              timed in interleaved rounds (each round: every concurrency on every variant back to back), so a
              speed-up is the median of per-round ratios. vLLM ``LLM``, greedy, the held-out prompts at each
@@ -33,9 +35,9 @@ stage that failed is not retried by later calls unless ``--retry-failed``. Exit 
 remains (call again: it resumes), else 1 when a stage failed (the others ran where they could), else 0.
 Each stage's output goes to --work/logs/STAGE.log.
 
-Memory on one GPU (profile h200): the capture engine reserves ``gpu_memory_utilization`` 0.2 (weights, CUDA
-graphs and a KV cache that holds all requests in flight with their capture planes, with room to spare);
-the trainer (the ``layertap train`` process) allocates what it needs beside it; the evaluation engines that
+Memory on one GPU (profile h200): each capture engine has a fixed KV cache (``kv_cache_memory_bytes``: all
+requests in flight with their capture planes, with room to spare) beside its weights and CUDA graphs; each
+trainer (a ``layertap train`` process) allocates what it needs beside it; the evaluation engines that
 the run starts while both are up use a fixed ``eval.kv_cache_mb`` and pass vLLM's start-up check with
 ``layertap.pipeline.evaluate.EVAL_GPU_MEMORY_UTILIZATION``. nvidia-smi is sampled during every stage, so
 the report gives the measured peak of the device and of each process.
@@ -1709,7 +1711,13 @@ def main(argv: list[str]) -> int:
         ("target", lambda: stage_target(run)), ("eagle3", lambda: stage_online(run, "eagle3")),
         ("dflash", lambda: stage_online(run, "dflash")), ("offline", lambda: stage_offline(run)),
         ("serve", lambda: stage_serve(run, variants))]
+    seen: dict[str, bool] = {}
+
     def pending(name: str) -> bool:
+        """Whether ``name`` is to run in this call (asked once per stage: the skip is logged once)."""
+        if name in seen:
+            return seen[name]
+        seen[name] = False
         if name not in stages:
             return False
         if run.result(name) is not None:
@@ -1718,6 +1726,7 @@ def main(argv: list[str]) -> int:
         if run.state["steps"].get(name, {}).get("status") == "failed" and not a.retry_failed:
             run.log(f"{name}: FAILED in an earlier call, not retried (--retry-failed): {run.failures[name]}")
             return False
+        seen[name] = True
         return True
 
     def attempt(name: str, fn: Callable[[], None]) -> str:
