@@ -17,6 +17,9 @@ Variants (``--variants``; the ratio column is ``capture`` over ``plain``, the ot
                        payload, no engine thread waits for the copies)
     capture-hostcommit capture whose writer thread waits for each step's copies and commits the records on
                        the CPU (the record path before the device commit)
+    capture-full       capture with vLLM's FULL CUDA graphs kept for decode batches (connector option
+                       full_graphs; without it the capture layer drops the engine to PIECEWISE graphs);
+                       prefill-only rounds run piecewise either way, so it shows in decode-heavy serving
     floor-extract      as floor, through vLLM's extract_hidden_states (capture_path="extract")
     capture-extract    capture through extract_hidden_states (synchronous scheduling on vLLM 0.25/CUDA)
 
@@ -284,6 +287,8 @@ VARIANTS = {
     "capture": lambda m, d, a: Capture(m, d, a, **profiler_kwargs(a, "capture")),
     "capture-hostcommit": lambda m, d, a: Capture(m, d, a, connector_options={"device_commit": False},
                                                   **profiler_kwargs(a, "capture-hostcommit")),
+    "capture-full": lambda m, d, a: Capture(m, d, a, connector_options={"full_graphs": True},
+                                            **profiler_kwargs(a, "capture-full")),
     "floor-extract": lambda m, d, a: Floor(m, d, a, path="extract", **profiler_kwargs(a, "floor-extract")),
     "capture-extract": lambda m, d, a: Capture(m, d, a, capture_path="extract", **profiler_kwargs(a, "capture-extract")),
 }

@@ -158,10 +158,15 @@ def main() -> None:
     ap.add_argument("--verify", type=int, default=8, help="records recomputed with HF after the runs")
     ap.add_argument("--start-timeout", type=float, default=600)
     ap.add_argument("--bench-timeout", type=float, default=900)
+    ap.add_argument("--full-graphs", action="store_true",
+                    help="the capture server keeps vLLM's FULL CUDA graphs for decode (LAYERTAP_HOOK_FULL_GRAPHS=1); "
+                         "without it the capture layer drops that engine to PIECEWISE graphs")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.prompts, args.prompt_len = 1, args.input_len
     import torch
+
+    from layertap.engine.compat import FULL_GRAPHS_ENV
 
     model = str(co.build_model(args))
     n = args.num_layers
@@ -189,7 +194,7 @@ def main() -> None:
             [sys.executable, "-m", "layertap.cli", "serve", "--model", model, "--layers", ",".join(map(str, layers)),
              "--capture-all", "--transport", "shm", "--shm-slot-mb", str(slot_mb), "--shm-slots", str(slots),
              "--port", str(ports["capture"]), *engine], stdout=open(logs["capture"], "w"), stderr=subprocess.STDOUT,
-            env=env, start_new_session=True)
+            env={**env, **({FULL_GRAPHS_ENV: "1"} if args.full_graphs else {})}, start_new_session=True)
         cfg = None
         deadline = time.monotonic() + 120
         while cfg is None:

@@ -15,7 +15,8 @@
 #   bash scripts/gpu_check.sh loop    # train a target, EAGLE-3 + DFlash online and offline, serve them with
 #                                      # speculative decoding, report (benchmarks/gpu_loop.py; exit 75: call again)
 #   bash scripts/gpu_check.sh serve   # layertap serve --capture-all vs vllm serve, both under `vllm bench serve`
-#                                      # (512 in / 256 out, concurrency 1,16,64; needs .gpubundle/serve wheels)
+#                                      # (512 in / 256 out, concurrency 1,16,64; needs .gpubundle/serve wheels;
+#                                      # SERVE_FULL_GRAPHS=1: the capture server keeps FULL CUDA graphs)
 #   bash scripts/gpu_check.sh profile     # py-spy over PROFILE_VARIANTS (plain capture) at PROFILE_INFLIGHT (1):
 #                                          # where a request's time goes, per process and thread (needs
 #                                          # py-spy: on PATH, or its wheel carried as .gpubundle/py_spy-*.whl)
@@ -87,7 +88,7 @@ if [ "$phase" = serve ]; then  # layertap serve --capture-all vs vllm serve unde
   rc=${PIPESTATUS[0]}
   if [ "$rc" = 0 ]; then
     python3 benchmarks/serve_overhead.py --hidden 2048 --num-layers 16 --head-dim 128 --vocab 2048 --dtype bfloat16 \
-      --input-len 512 --output-len 256 --concurrency ${SERVE_CONCURRENCY:-1,16,64} --rounds ${SERVE_ROUNDS:-2} \
+      --input-len 512 --output-len 256 --concurrency ${SERVE_CONCURRENCY:-1,16,64} --rounds ${SERVE_ROUNDS:-2} ${SERVE_FULL_GRAPHS:+--full-graphs} \
       --json "$OUT/serve_overhead.json" > "$OUT/serve_overhead.log" 2>&1
     rc=$?
     grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING\|^(APIServer\|Loading weights\|verify:" "$OUT/serve_overhead.log" | tail -24

@@ -17,7 +17,7 @@ What runs where:
     worker (connector):        group_infos, capture_layer_name, capture_layer_ids, tp_rank, sizes, extra_config,
                                capture_plane_axis
     worker (hook worker):      platform_worker_class, prepare_worker -> install_capture_hook,
-                               install_cpu_seed_rewind
+                               install_cpu_seed_rewind, graphable_cache_only_backend, step_slot_mapping
 Not here, since no vLLM version changes them: the ``LLM(...)`` arguments and process environment of a capture
 engine (``launch``), the rewindable CPU generator (``seed_rewind``), the cache-view arithmetic (``cache_view``).
 """
@@ -25,7 +25,9 @@ engine (``launch``), the rewindable CPU generator (``seed_rewind``), the cache-v
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import weakref
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -353,7 +355,7 @@ def prepare_worker(runner: Any, vllm_config: Any) -> None:
     configured, and on the CPU build the seeded-sampling fix."""
     extra = extra_config(vllm_config) if vllm_config.kv_transfer_config is not None else {}
     if extra.get("capture_path", "hook") == "hook":
-        install_capture_hook(runner, vllm_config)
+        install_capture_hook(runner, vllm_config, full_graphs=bool(extra.get("full_graphs")) or hook_full_graphs())
     if torch.device(runner.device).type == "cpu":
         install_cpu_seed_rewind(runner)
 
@@ -392,7 +394,57 @@ def install_cpu_seed_rewind(runner: Any) -> None:
     runner._update_states = _update_states
 
 
-def install_capture_hook(runner: Any, vllm_config: Any) -> None:
+FULL_GRAPHS_ENV = "LAYERTAP_HOOK_FULL_GRAPHS"
+"""Set to 1 in the engine's environment (or pass ``connector_options={"full_graphs": True}`` to the Tap) to
+let the hook path keep vLLM's FULL CUDA graphs for decode.
+
+vLLM's ``CacheOnlyAttentionBackend`` declares no CUDA-graph support, so an engine with the capture layer
+falls back from FULL_AND_PIECEWISE to PIECEWISE (seen in the H200 logs, vLLM 0.25.1: "FULL_AND_PIECEWISE is
+not supported with CacheOnlyAttentionBackend ... setting cudagraph_mode=PIECEWISE"): every decode step then
+launches each attention layer eagerly, where plain vLLM replays one graph. The capture layer needs no
+metadata that changes shape (its scatter reads the runner's persistent slot-mapping buffer and sends padding
+to the null block), so it can be captured in a FULL graph. Opt-in until ``tests/gpu`` has run it: under FULL
+replay the patched forward (and the connector's per-layer hook) do not run as Python, so the first steps'
+slot checks are done after the step instead (``step_slot_mapping``)."""
+
+
+def hook_full_graphs() -> bool:
+    return os.environ.get(FULL_GRAPHS_ENV, "0") == "1"
+
+
+def graphable_cache_only_backend() -> type:
+    """vLLM's cache-only attention backend with a metadata builder that declares UNIFORM_BATCH CUDA-graph
+    support (its metadata is the slot mapping alone), so the engine keeps FULL graphs for decode batches."""
+    from vllm.model_executor.models.extract_hidden_states import (
+        CacheOnlyAttentionBackend,
+        CacheOnlyAttentionMetadataBuilder,
+    )
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    class LayertapCacheOnlyBuilder(CacheOnlyAttentionMetadataBuilder):
+        _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
+
+    class LayertapCacheOnlyBackend(CacheOnlyAttentionBackend):
+        @staticmethod
+        def get_builder_cls() -> type:
+            return LayertapCacheOnlyBuilder
+
+    return LayertapCacheOnlyBackend
+
+
+_RUNNER: list[Any] = []  # weakref to this worker's model runner (install_capture_hook), for step_slot_mapping
+
+
+def step_slot_mapping(layer_name: str) -> torch.Tensor | None:
+    """The slot mapping the last step used for ``layer_name``, read from the model runner after the step
+    (Model Runner V2 keeps it in ``execute_model_state``); None where this runner does not keep it."""
+    runner = _RUNNER[0]() if _RUNNER else None
+    state = getattr(runner, "execute_model_state", None)
+    by_layer = getattr(state, "slot_mappings_by_layer", None)
+    return by_layer.get(layer_name) if isinstance(by_layer, dict) else None
+
+
+def install_capture_hook(runner: Any, vllm_config: Any, full_graphs: bool = False) -> None:
     """Make the loaded target model write its residual-stream rows into a cache-only KV layer.
 
     Runs in each worker right after the model is loaded, before memory profiling, compilation and CUDA
@@ -440,6 +492,12 @@ def install_capture_hook(runner: Any, vllm_config: Any) -> None:
         layer = CacheOnlyAttentionLayer(num_heads=len(layer_ids), head_size=hidden_size(vllm_config),
                                         cache_config=cache_config, prefix=name)
     layer.to(runner.device)
+    if full_graphs:
+        if not hasattr(layer, "attn_backend"):
+            raise UnsupportedVLLM("full_graphs: this vLLM's CacheOnlyAttentionLayer has no attn_backend to replace")
+        layer.attn_backend = graphable_cache_only_backend()
+        log.info("layertap hook: full_graphs: the capture layer declares UNIFORM_BATCH CUDA-graph support")
+    _RUNNER[:] = [weakref.ref(runner)]
     n_planes, width, plane_axis = len(layer_ids), hidden_size(vllm_config), capture_plane_axis(vllm_version())
     geo = None  # the capture layer's geometry, read on the first forward with a bound cache
     original = model.forward

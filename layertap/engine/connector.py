@@ -19,7 +19,9 @@ Worker side (each worker process; only TP rank 0 reads and writes):
                                       device buffer, indexed by cache block, and the forward stream
                                       waits for that gather; the host copies run on their own stream and
                                       the writer thread commits each record when its copy is done)
-    wait_for_save / start_load_kv / wait_for_layer_load: no-ops
+    wait_for_save()                -> after the step: slot checks its forward did not run (under a FULL
+                                      CUDA-graph replay no Python hook runs) against the step's slot mapping
+    start_load_kv / wait_for_layer_load: no-ops
 
 Rows are read by *the request's own block ids*: for a prompt-mode request on the hook path in the step
 whose forward completes its prompt (its rows are final then, and its blocks are not held), otherwise when
@@ -150,7 +152,9 @@ class LayertapConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.check_slots(layer_name, attn_metadata, self._get_connector_metadata())
 
     def wait_for_save(self) -> None:
-        pass
+        # After the step's forward: checks it did not run (FULL CUDA-graph replay) run now, or fail by name.
+        if self.has_connector_metadata():
+            self._worker.check_unrun(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]):
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None

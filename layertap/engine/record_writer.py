@@ -18,6 +18,13 @@ from layertap.engine import compat
 from layertap.engine.cache_view import CacheLayoutError, gather_blocks, kernel_ratio, slots_for, view_blocks_for, view_geometry
 from layertap.engine.gpu_gather import copy_to_host, gather_on_device, register_host, spans_of, unregister_host
 from layertap.engine.saves import LayertapMetadata, SaveJob, SlotCheckError
+
+
+class _Slots:
+    """Stands in for attention metadata where only its slot mapping is known (``check_unrun``)."""
+
+    def __init__(self, slot_mapping: torch.Tensor):
+        self.slot_mapping = slot_mapping
 from layertap.transport.base import get_transport
 
 log = logging.getLogger("vllm.layertap")
@@ -134,6 +141,18 @@ class WorkerSide:
             self.writer.start()
 
     # ---- first-step slot check ----
+    def check_unrun(self, meta: Any) -> None:
+        """After a step: slot checks that the forward did not run (a FULL CUDA-graph replay runs no Python
+        hook) are run here against the slot mapping the step used, or fail by name where it is unreadable."""
+        if not isinstance(meta, LayertapMetadata) or not meta.checks:
+            return
+        name = getattr(self, "layer_name", None)
+        slots = compat.step_slot_mapping(name) if name else None
+        if slots is None:
+            raise SlotCheckError(f"{len(meta.checks)} slot checks did not run in this step's forward (a FULL CUDA "
+                                 "graph replay?) and the step's slot mapping is not readable after it")
+        self.check_slots(name, _Slots(slots), meta)
+
     def check_slots(self, layer_name: str, attn_metadata: Any, meta: Any) -> None:
         if layer_name != getattr(self, "layer_name", None) or not isinstance(meta, LayertapMetadata) or not meta.checks:
             return

@@ -49,18 +49,20 @@ def workload():
     return varied, shared
 
 
-@pytest.mark.parametrize("mode", ["compiled", "eager", "compiled-extract"])
-def test_capture_matches_hf_in_bf16(model, mode):
+@pytest.mark.parametrize("mode", ["compiled", "eager", "compiled-extract", "compiled-full"])
+def test_capture_matches_hf_in_bf16(model, mode, capfd):
     """Compiled mode writes rows straight into the registered shm pool (the default); eager mode stages
     them through pinned buffers (connector_options direct=False), so both record paths are checked.
     The hook capture path (default) runs with vLLM's default scheduling (async on 0.25/CUDA), generate
-    mode included; ``compiled-extract`` runs the same workload through vLLM's extract_hidden_states."""
+    mode included; ``compiled-extract`` runs the same workload through vLLM's extract_hidden_states;
+    ``compiled-full`` keeps vLLM's FULL CUDA graphs for decode (connector option full_graphs), so the
+    generate-mode decode rows are written by graph replays."""
     from vllm import SamplingParams
 
     from layertap.engine.compat import async_scheduling
 
     layers = [1, 2, 4] if mode == "eager" else [0, 1, 2, 4]
-    opts = {"direct": False} if mode == "eager" else {}
+    opts = {"direct": False} if mode == "eager" else {"full_graphs": True} if mode == "compiled-full" else {}
     path = "extract" if mode.endswith("extract") else "hook"
     varied, shared = workload()
     with Tap(model=model, layers=layers, enforce_eager=(mode == "eager"), connector_options=opts,
@@ -74,6 +76,11 @@ def test_capture_matches_hf_in_bf16(model, mode):
     assert len(recs) == 64 + 2 + 24 and len(gen) == 16
     assert hits > 0
     check(recs + gen, model)
+    if mode == "compiled-full":  # the engine kept FULL graphs (vLLM logs the fallback when it does not)
+        log = capfd.readouterr()
+        text = log.out + log.err
+        assert "declares UNIFORM_BATCH CUDA-graph support" in text
+        assert "setting cudagraph_mode=PIECEWISE" not in text, "vLLM still fell back to PIECEWISE graphs"
 
 
 def test_extract_path_with_async_scheduling_prompt_mode_only(model):

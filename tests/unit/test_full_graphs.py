@@ -1,0 +1,71 @@
+"""The hook path's opt-in FULL CUDA graphs (``LAYERTAP_HOOK_FULL_GRAPHS=1``, engine.compat): the capture
+layer's backend declares UNIFORM_BATCH graph support, and slot checks that a graph replay skipped run after
+the step against the slot mapping it used, or fail by name. (On the GPU: tests/gpu/test_gpu_capture.py's
+``compiled-full`` case; the CPU build runs no CUDA graphs.)"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from layertap.engine import compat
+from layertap.engine.record_writer import WorkerSide
+from layertap.engine.saves import LayertapMetadata, SlotCheck, SlotCheckError
+
+
+def test_backend_declares_uniform_batch_graphs():
+    from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionBackend
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    b = compat.graphable_cache_only_backend()
+    assert issubclass(b, CacheOnlyAttentionBackend) and b.get_impl_cls() is CacheOnlyAttentionBackend.get_impl_cls()
+    assert b.get_builder_cls().get_cudagraph_support(None, None) == AttentionCGSupport.UNIFORM_BATCH
+    # vLLM's own stays as it was (NEVER): the change is layertap's layer only
+    assert CacheOnlyAttentionBackend.get_builder_cls().get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
+
+
+def test_env_switch(monkeypatch):
+    monkeypatch.delenv(compat.FULL_GRAPHS_ENV, raising=False)
+    assert not compat.hook_full_graphs()
+    monkeypatch.setenv(compat.FULL_GRAPHS_ENV, "1")
+    assert compat.hook_full_graphs()
+
+
+def _worker(block_size=4, blocks=8):
+    w = object.__new__(WorkerSide)  # only what the slot checks read
+    w.c = SimpleNamespace(_block_size=block_size)
+    w.layer_name, w.num_manager_blocks, w.checked = "cap", blocks, 0
+    return w
+
+
+def test_unrun_checks_run_after_the_step(monkeypatch):
+    w = _worker()
+    meta = LayertapMetadata(checks=[SlotCheck("r1", [2], 0, 3)])  # positions 0-2 of block 2: slots 8, 9, 10
+    monkeypatch.setattr(compat, "step_slot_mapping", lambda name: torch.tensor([8, 9, 10, -1]) if name == "cap" else None)
+    w.check_unrun(meta)
+    assert w.checked == 1 and meta.checks == []
+    w.check_unrun(meta)  # nothing left: a no-op
+    assert w.checked == 1
+
+
+def test_unrun_checks_fail_by_name(monkeypatch):
+    w = _worker()
+    monkeypatch.setattr(compat, "step_slot_mapping", lambda name: torch.tensor([8, 9]))
+    with pytest.raises(SlotCheckError, match="request r1"):
+        w.check_unrun(LayertapMetadata(checks=[SlotCheck("r1", [2], 0, 3)]))  # slot 10 was not written
+    monkeypatch.setattr(compat, "step_slot_mapping", lambda name: None)
+    with pytest.raises(SlotCheckError, match="did not run in this step's forward"):
+        w.check_unrun(LayertapMetadata(checks=[SlotCheck("r1", [2], 0, 3)]))
+
+
+def test_step_slot_mapping_reads_the_runner(monkeypatch):
+    t = torch.arange(4)
+    runner = SimpleNamespace(execute_model_state=SimpleNamespace(slot_mappings_by_layer={"cap": t}))
+    import weakref
+
+    monkeypatch.setattr(compat, "_RUNNER", [weakref.ref(runner)] if hasattr(runner, "__weakref__") else [lambda: runner])
+    assert compat.step_slot_mapping("cap") is t and compat.step_slot_mapping("other") is None
+    monkeypatch.setattr(compat, "_RUNNER", [lambda: SimpleNamespace()])  # a runner that keeps no state: None
+    assert compat.step_slot_mapping("cap") is None
