@@ -61,6 +61,7 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -748,15 +749,14 @@ def online_result(run: Run, kind: str, out: Path, walls: dict[str, Any], memory:
     p = run.profile
     rep = json.loads((out / "report.json").read_text())
     hist = read_json(out / "history.json") or []
-    # A resumed run's report sums its invocations' rates (rates_total); older reports only had their last part's.
-    rates = rep.get("rates_total") or rep["rates"]
+    rates = rep["rates_total"]  # summed over the run's invocations (a resumed run has several)
     final = {r["name"]: r for r in (rep.get("acceptance") or {}).get("results", [])}
     # Every evaluation the run made, also those of an earlier, interrupted part (their result files stay).
     evals = [*rep.get("acceptance_curve", []), *(read_json(f) for f in sorted((out / "evals").glob("result-*.json")))]
     curve = sorted({(int(e["step"]), float(r["mean_acceptance_length"]))
                     for e in evals for r in e.get("results", []) if r["name"] == kind})
     cons = float(rates["consumer_wall_s"])
-    tokens = float(rates.get("consumer_tokens", float(rates["consumer_tokens_per_s"]) * cons))
+    tokens = float(rates["consumer_tokens"])
     busy = cons * (1.0 - float(rates["trainer_idle_fraction"]))
     export = out / "exports" / "final"
     conf = json.loads((export / "config.json").read_text())
@@ -768,8 +768,7 @@ def online_result(run: Run, kind: str, out: Path, walls: dict[str, Any], memory:
     return {
         "kind": kind, "out": str(out), "export": str(export), "wall_s": round(walls["wall_s"], 1),
         "device_calls": walls["calls"], "resumed": walls["calls"] > 1, "report_wall_s": rep["wall_s"],
-        "rates_note": (None if walls["calls"] <= 1 else "rates summed over the run's invocations" if "rates_total" in rep
-                       else "rates cover only the last part of a resumed run"),
+        "rates_note": "rates summed over the run's invocations" if walls["calls"] > 1 else None,
         "steps": rep["steps"],
         "inputs_trained": rep["inputs_trained"], "layers": rep["layers"], "transport": rep["transport"],
         "final_loss": rep.get("final_loss"), "loss_curve": [[m["step"], m["loss"]] for m in hist],
@@ -1776,16 +1775,8 @@ def main(argv: list[str]) -> int:
             except Exception as e:  # each stage meets it again and fails by name
                 run.log(f"data for the drafter stages: {type(e).__name__}: {e}")
             run.log(f"{' and '.join(n for n, _ in group)}: at once (parallel_drafters)")
-            outcomes = [""] * len(group)
-
-            def one(i: int, n: str, f: Callable[[], None]) -> None:
-                outcomes[i] = attempt(n, f)
-
-            threads = [threading.Thread(target=one, args=(i, n, f), name=f"stage-{n}") for i, (n, f) in enumerate(group)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            with ThreadPoolExecutor(len(group), thread_name_prefix="stage") as pool:
+                outcomes = list(pool.map(lambda nf: attempt(*nf), group))
         failed = failed or "failed" in outcomes
         later = later or any(o in ("deferred", "deadline") for o in outcomes)
         try:

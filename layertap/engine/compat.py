@@ -435,13 +435,18 @@ def graphable_cache_only_backend() -> type:
 _RUNNER: list[Any] = []  # weakref to this worker's model runner (install_capture_hook), for step_slot_mapping
 
 
-def step_slot_mapping(layer_name: str) -> torch.Tensor | None:
-    """The slot mapping the last step used for ``layer_name``, read from the model runner after the step
-    (Model Runner V2 keeps it in ``execute_model_state``); None where this runner does not keep it."""
+def step_slot_mapping(layer_name: str, num_tokens: int) -> torch.Tensor | None:
+    """The slots the last step wrote for ``layer_name`` (its first ``num_tokens`` entries), read after the
+    step from Model Runner V2's persistent slot-mapping buffer (one row per KV-cache group; the next step
+    overwrites it, and its ``execute_model_state`` is already cleared when the connector's post-step hooks
+    run). None where this runner keeps no such buffer."""
     runner = _RUNNER[0]() if _RUNNER else None
-    state = getattr(runner, "execute_model_state", None)
-    by_layer = getattr(state, "slot_mappings_by_layer", None)
-    return by_layer.get(layer_name) if isinstance(by_layer, dict) else None
+    buf = getattr(getattr(runner, "block_tables", None), "slot_mappings", None)
+    groups = getattr(getattr(runner, "kv_cache_config", None), "kv_cache_groups", None)
+    if not isinstance(buf, torch.Tensor) or groups is None:
+        return None
+    g = next((i for i, grp in enumerate(groups) if layer_name in grp.layer_names), None)
+    return None if g is None or g >= buf.shape[0] else buf[g, :num_tokens]
 
 
 def install_capture_hook(runner: Any, vllm_config: Any, full_graphs: bool = False) -> None:

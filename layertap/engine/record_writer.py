@@ -10,6 +10,7 @@ import queue
 import socket
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -18,13 +19,6 @@ from layertap.engine import compat
 from layertap.engine.cache_view import CacheLayoutError, gather_blocks, kernel_ratio, slots_for, view_blocks_for, view_geometry
 from layertap.engine.gpu_gather import copy_to_host, gather_on_device, register_host, spans_of, unregister_host
 from layertap.engine.saves import LayertapMetadata, SaveJob, SlotCheckError
-
-
-class _Slots:
-    """Stands in for attention metadata where only its slot mapping is known (``check_unrun``)."""
-
-    def __init__(self, slot_mapping: torch.Tensor):
-        self.slot_mapping = slot_mapping
 from layertap.transport.base import get_transport
 
 log = logging.getLogger("vllm.layertap")
@@ -147,11 +141,11 @@ class WorkerSide:
         if not isinstance(meta, LayertapMetadata) or not meta.checks:
             return
         name = getattr(self, "layer_name", None)
-        slots = compat.step_slot_mapping(name) if name else None
+        slots = compat.step_slot_mapping(name, meta.num_tokens) if name else None
         if slots is None:
             raise SlotCheckError(f"{len(meta.checks)} slot checks did not run in this step's forward (a FULL CUDA "
                                  "graph replay?) and the step's slot mapping is not readable after it")
-        self.check_slots(name, _Slots(slots), meta)
+        self.check_slots(name, SimpleNamespace(slot_mapping=slots), meta)  # metadata where only the slots are known
 
     def check_slots(self, layer_name: str, attn_metadata: Any, meta: Any) -> None:
         if layer_name != getattr(self, "layer_name", None) or not isinstance(meta, LayertapMetadata) or not meta.checks:

@@ -41,6 +41,8 @@ class SlotCheck:
 class LayertapMetadata(KVConnectorMetadata):
     saves: list[SaveJob] = field(default_factory=list)
     checks: list[SlotCheck] = field(default_factory=list)
+    num_tokens: int = 0
+    """Tokens scheduled this step: how much of the runner's slot-mapping buffer a late check reads."""
 
 
 class SchedulerSide:
@@ -100,7 +102,7 @@ class SchedulerSide:
         saves = self.pending
         for rid in [r for r in self.prompts if r in sched and computed_now.get(r, -1) + sched[r] >= len(self.prompts[r])]:
             saves.append(self._early_save(rid, self.prompts.pop(rid)))
-        meta = LayertapMetadata(saves=saves, checks=checks)
+        meta = LayertapMetadata(saves=saves, checks=checks, num_tokens=sum(sched.values()))
         self.pending = []
         return meta
 

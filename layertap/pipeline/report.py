@@ -74,10 +74,7 @@ def combine_rates(parts: list[dict[str, Any]]) -> dict[str, Any]:
     rs = [p["rates"] for p in parts if p.get("rates")]
     if not rs:
         return {}
-    # A part written before the token totals were in the summary: rate x wall (rounded) stands in for them.
-    tok = {k: sum(r.get(k, r[f"{k}_per_s"] * r[w]) for r in rs)
-           for k, w in (("producer_tokens", "producer_wall_s"), ("consumer_tokens", "consumer_wall_s"))}
-    t = {k: sum(r.get(k, 0) for r in rs) for k in _SUMMED} | tok
+    t = {k: sum(r[k] for r in rs) for k in _SUMMED}
     prod, cons = max(t["producer_wall_s"], 1e-9), max(t["consumer_wall_s"], 1e-9)
     return {**{k: (round(v, 2) if isinstance(v, float) else v) for k, v in t.items()},
             "producer_records_per_s": round(t["records"] / prod, 2),

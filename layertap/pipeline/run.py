@@ -260,7 +260,6 @@ def run(cfg: PipelineConfig, *, resume: bool = False) -> dict[str, Any]:
         check_interrupted()
         final = evals.final(tr.step, drafters) if cfg.eval.enabled else {}
         check_interrupted()
-        status = "done"
         return write_report(out, cfg, plan, tr, mgr.rates, evals, final, wall_s=time.monotonic() - wall0,
                             checkpoint=ckpt, parts=parts.end("done", tr.step, mgr.rates.summary()))
     except KeyboardInterrupt:

@@ -42,8 +42,9 @@ def _worker(block_size=4, blocks=8):
 
 def test_unrun_checks_run_after_the_step(monkeypatch):
     w = _worker()
-    meta = LayertapMetadata(checks=[SlotCheck("r1", [2], 0, 3)])  # positions 0-2 of block 2: slots 8, 9, 10
-    monkeypatch.setattr(compat, "step_slot_mapping", lambda name: torch.tensor([8, 9, 10, -1]) if name == "cap" else None)
+    meta = LayertapMetadata(checks=[SlotCheck("r1", [2], 0, 3)], num_tokens=4)  # block 2, positions 0-2: slots 8-10
+    monkeypatch.setattr(compat, "step_slot_mapping",
+                        lambda name, n: torch.tensor([8, 9, 10, -1])[:n] if name == "cap" else None)
     w.check_unrun(meta)
     assert w.checked == 1 and meta.checks == []
     w.check_unrun(meta)  # nothing left: a no-op
@@ -52,20 +53,22 @@ def test_unrun_checks_run_after_the_step(monkeypatch):
 
 def test_unrun_checks_fail_by_name(monkeypatch):
     w = _worker()
-    monkeypatch.setattr(compat, "step_slot_mapping", lambda name: torch.tensor([8, 9]))
+    monkeypatch.setattr(compat, "step_slot_mapping", lambda name, n: torch.tensor([8, 9]))
     with pytest.raises(SlotCheckError, match="request r1"):
         w.check_unrun(LayertapMetadata(checks=[SlotCheck("r1", [2], 0, 3)]))  # slot 10 was not written
-    monkeypatch.setattr(compat, "step_slot_mapping", lambda name: None)
+    monkeypatch.setattr(compat, "step_slot_mapping", lambda name, n: None)
     with pytest.raises(SlotCheckError, match="did not run in this step's forward"):
         w.check_unrun(LayertapMetadata(checks=[SlotCheck("r1", [2], 0, 3)]))
 
 
-def test_step_slot_mapping_reads_the_runner(monkeypatch):
-    t = torch.arange(4)
-    runner = SimpleNamespace(execute_model_state=SimpleNamespace(slot_mappings_by_layer={"cap": t}))
-    import weakref
-
-    monkeypatch.setattr(compat, "_RUNNER", [weakref.ref(runner)] if hasattr(runner, "__weakref__") else [lambda: runner])
-    assert compat.step_slot_mapping("cap") is t and compat.step_slot_mapping("other") is None
-    monkeypatch.setattr(compat, "_RUNNER", [lambda: SimpleNamespace()])  # a runner that keeps no state: None
-    assert compat.step_slot_mapping("cap") is None
+def test_step_slot_mapping_reads_the_runners_buffer(monkeypatch):
+    """Model Runner V2's persistent buffer: one row per KV-cache group, the step's tokens first; entries past
+    them are from earlier steps and must not count as written."""
+    buf = torch.tensor([[0, 1, 2, 3, 4], [8, 9, 10, 77, 78]])
+    groups = [SimpleNamespace(layer_names=["model.layers.0.attn"]), SimpleNamespace(layer_names=["cap"])]
+    runner = SimpleNamespace(block_tables=SimpleNamespace(slot_mappings=buf), kv_cache_config=SimpleNamespace(kv_cache_groups=groups))
+    monkeypatch.setattr(compat, "_RUNNER", [lambda: runner])
+    assert compat.step_slot_mapping("cap", 3).tolist() == [8, 9, 10]
+    assert compat.step_slot_mapping("other", 3) is None
+    monkeypatch.setattr(compat, "_RUNNER", [lambda: SimpleNamespace()])  # a runner that keeps no buffer: None
+    assert compat.step_slot_mapping("cap", 3) is None

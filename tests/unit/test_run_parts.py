@@ -38,14 +38,6 @@ def test_combine_rates_sums_parts_and_recomputes_rates():
     assert combine_rates([{"rates": a}])["consumer_records_per_s"] == a["consumer_records_per_s"]
 
 
-def test_combine_rates_without_token_totals():
-    """Parts written before the summary carried token totals: rate x wall stands in for them."""
-    a = _rates(100, 10.0, 5000, 100, 10.0, 5000, 1.0)
-    for k in ("producer_tokens", "consumer_tokens"):
-        del a[k]
-    assert combine_rates([{"rates": a}, {"rates": dict(a)}])["consumer_tokens"] == pytest.approx(10_000)
-
-
 def test_parts_ledger_marks_a_killed_part_lost(tmp_path):
     p1 = Parts(tmp_path, 0)
     p1.end("interrupted", 7, {"records": 3})
