@@ -78,7 +78,9 @@ class _RayRates:
             "producer_wall_s": max(p["producer_wall_s"] for p in pr),
             "producer_records_per_s": round(sum(p["producer_records_per_s"] for p in pr), 2),
             "producer_tokens_per_s": round(sum(p["producer_tokens_per_s"] for p in pr), 1),
+            "producer_tokens": sum(p["producer_tokens"] for p in pr),
             "consumer_records": int(c["records"]), "consumer_wall_s": round(cons, 2),
+            "consumer_tokens": int(c["tokens"]),
             "consumer_records_per_s": round(c["records"] / cons, 2),
             "consumer_tokens_per_s": round(c["tokens"] / cons, 1),
             "trainer_startup_wait_s": round(c["startup_wait_s"], 2), "trainer_idle_s": round(c["idle_s"], 2),
@@ -94,7 +96,7 @@ class TrainerWorker:
         import torch
 
         from layertap.pipeline.build import make_plan
-        from layertap.pipeline.run import open_trainer, start_run_dir
+        from layertap.pipeline.run import Parts, open_trainer, start_run_dir
         from layertap.transport.base import get_transport
 
         torch.set_num_threads(1)
@@ -102,6 +104,9 @@ class TrainerWorker:
         self.out = start_run_dir(self.cfg, resume)
         self.plan = make_plan(self.cfg)
         self.tr = open_trainer(self.cfg, self.plan, self.out, resume)
+        # This run's entry in OUT/parts.json, as ``layertap train`` keeps it: a resumed run's report sums
+        # every part; an actor killed before ``finish`` leaves "running", which the next part marks "lost".
+        self.parts = Parts(self.out, self.tr.step)
         self.source = get_transport("mooncake").make_source(mooncake)
         self.loop: Any = None
         self.stats = {"records": 0, "tokens": 0, "idle_s": 0.0, "startup_wait_s": 0.0, "wall_s": 0.0}
@@ -160,8 +165,9 @@ class TrainerWorker:
             self.tr.finish()
             drafters = export_step(self.cfg, self.tr, self.out, "final")
             final = evals.final(self.tr.step, drafters) if e.enabled else {}
-            return write_report(self.out, self.cfg, self.plan, self.tr, _RayRates(produced, self.stats), evals, final,
-                                wall_s=wall_s, checkpoint=ckpt)
+            rates = _RayRates(produced, self.stats)
+            return write_report(self.out, self.cfg, self.plan, self.tr, rates, evals, final, wall_s=wall_s,
+                                checkpoint=ckpt, parts=self.parts.end("done", self.tr.step, rates.summary()))
         finally:
             evals.close()
 

@@ -69,6 +69,14 @@ def test_two_engines_feed_one_trainer_then_resume_to_a_report(master, tmp_path):
     rep = res2["report"]
     assert [r["name"] for r in rep["acceptance"]["results"]] == ["ngram", "eagle3"]
     assert all(r["outputs_match_plain"] for r in rep["acceptance"]["results"])
+    # The report covers both invocations: parts.json's two entries, their capture and training summed.
+    assert [p["status"] for p in rep["parts"]] == ["done", "done"], rep["parts"]
+    p1, p2 = (p["rates"] for p in rep["parts"])
+    assert p1["submitted"] == N_INPUTS and p2["submitted"] == N_INPUTS - 8
+    tot = rep["rates_total"]
+    assert tot["parts"] == 2 and tot["submitted"] == 2 * N_INPUTS - 8
+    assert tot["consumer_records"] == p1["consumer_records"] + p2["consumer_records"] >= N_INPUTS
+    assert tot["consumer_tokens"] == p1["consumer_tokens"] + p2["consumer_tokens"] > 0
     assert (tmp_path / "run" / "report.md").exists() and (tmp_path / "run" / "report.png").exists()
     assert (tmp_path / "run" / "exports" / "final" / "config.json").exists()
     deadline = time.monotonic() + 30
