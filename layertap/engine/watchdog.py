@@ -259,6 +259,29 @@ def _is_tracker(p: dict) -> bool:
     return "resource_tracker" in _cmdline(p["pid"])  # unlinks our shm if we die: never ours to kill
 
 
+def interrupt_thread(ident: int, exc_type: type[BaseException]) -> str:
+    """Make thread ``ident`` of this process stop what it is doing; returns how, for the log.
+
+    The main thread, where Python handles SIGINT, gets a KeyboardInterrupt through ``interrupt_main``: a
+    signal also breaks a blocking system call. Elsewhere (another thread, or a process that ignores SIGINT,
+    as one started in the background by a non-interactive shell or under ``nohup`` does, where
+    ``interrupt_main`` does nothing) the thread gets ``exc_type`` raised asynchronously, at its next Python
+    instruction. Either way the phase then raises the watchdog's named error."""
+    import _thread
+
+    if ident == threading.main_thread().ident and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        _thread.interrupt_main()
+        return "interrupted the main thread (KeyboardInterrupt)"
+    import ctypes
+
+    n = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc_type))
+    if n != 1:
+        if n > 1:  # never leave more than the one thread with a pending exception
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), None)
+        return f"could not interrupt thread {ident} (no such thread)"
+    return f"raised {exc_type.__name__} in thread {ident}"
+
+
 class Watchdog:
     """One thread that bounds start-up and each engine step.
 
@@ -280,6 +303,7 @@ class Watchdog:
         self.on_timeout: Callable[[EngineTimeout], None] | None = None
         self.error: EngineTimeout | None = None
         self._phase: tuple[str, float, float] | None = None  # (name, began, limit)
+        self._thread_id = 0  # the thread in the phase: the one to interrupt if killing its engine frees nothing
         self._before: set[int] = set()
         self._roots: list[dict] = []
         self._cv = threading.Condition()
@@ -315,6 +339,7 @@ class Watchdog:
                 raise wd.error
             if self.name == "start-up":
                 wd._before = {p["pid"] for p in descendants()}
+            wd._thread_id = threading.get_ident()
             wd._phase = (self.name, time.monotonic(), self.limit)
 
         def __exit__(self, typ, exc, tb) -> bool:
@@ -378,16 +403,14 @@ class Watchdog:
                 log.exception("layertap watchdog: could not hand the timeout to the engine client")
         kill(procs)
         # The blocked call returns once its engine is gone; if it still has not after ``grace`` s, the
-        # wait is in this process itself: interrupt the main thread (a KeyboardInterrupt there).
+        # wait is in this process itself: interrupt the phase's thread.
         deadline = time.monotonic() + self.grace
         while self._phase is not None and time.monotonic() < deadline:
             time.sleep(self.poll)
         if self._phase is not None:
-            import _thread
-
+            how = interrupt_thread(self._thread_id, type(err))
             log.error("layertap watchdog: the blocked call did not return %.0f s after its engine was killed; "
-                      "interrupting the main thread", self.grace)
-            _thread.interrupt_main()
+                      "%s", self.grace, how)
 
     def close(self) -> None:
         with self._cv:

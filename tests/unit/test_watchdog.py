@@ -5,8 +5,10 @@ raises the named error, kills the processes it started, and a phase that ends in
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -45,18 +47,49 @@ def test_report_names_state_stacks_and_log_lines(tmp_path):
         p.wait()
 
 
-def test_start_phase_past_its_limit_raises_and_kills_what_it_started(tmp_path):
+def _stuck_start(wd, procs, tmp_path) -> None:
+    """A start-up that never ends in this process (its child killed changes nothing): bounded, so a
+    watchdog that cannot interrupt it fails the test instead of hanging it."""
+    with wd.starting():
+        procs.append(_sleeper(tmp_path))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+    raise AssertionError("the watchdog did not interrupt a start-up 30 s past its limit")
+
+
+@pytest.mark.parametrize("where", ["main", "main-sigint-ignored", "thread"])
+def test_start_phase_past_its_limit_raises_and_kills_what_it_started(tmp_path, where):
+    """``main``: SIGINT handled by Python (a KeyboardInterrupt breaks the wait); ``main-sigint-ignored``: a
+    process started in the background by a script (``cmd &``, ``nohup``) ignores SIGINT, so
+    ``interrupt_main`` does nothing there (seen: CI started that way hung in this test); ``thread``: the
+    phase runs in a thread other than the main one. Each raises the named error, in time."""
     wd = watchdog.Watchdog(start_timeout=2, step_timeout=60, diag=tmp_path, grace=1.0, poll=0.1)
     procs: list[subprocess.Popen] = []
+    caught: list[BaseException] = []
+    old = signal.getsignal(signal.SIGINT)
     t0 = time.monotonic()
     try:
-        with pytest.raises(watchdog.EngineStartTimeout) as exc:
-            with wd.starting():
-                procs.append(_sleeper(tmp_path))
-                while True:  # a start-up that never ends, in this process
-                    time.sleep(0.05)
+        if where == "main-sigint-ignored":
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if where == "thread":
+            def body():
+                try:
+                    _stuck_start(wd, procs, tmp_path)
+                except BaseException as e:  # noqa: BLE001 - examined below
+                    caught.append(e)
+            t = threading.Thread(target=body)
+            t.start()
+            t.join(40)
+            assert not t.is_alive()
+        else:
+            try:
+                _stuck_start(wd, procs, tmp_path)
+            except BaseException as e:  # noqa: BLE001 - examined below
+                caught.append(e)
         took = time.monotonic() - t0
-        msg = str(exc.value)
+        assert len(caught) == 1 and isinstance(caught[0], watchdog.EngineStartTimeout), caught
+        msg = str(caught[0])
         assert "did not finish starting within 2 s" in msg and f"pid {procs[0].pid}" in msg, msg
         assert "stuck_here" in msg, msg
         assert took < 15, took
@@ -65,6 +98,7 @@ def test_start_phase_past_its_limit_raises_and_kills_what_it_started(tmp_path):
             with wd.stepping():
                 pass
     finally:
+        signal.signal(signal.SIGINT, old)
         wd.close()
         for p in procs:
             p.kill()
