@@ -144,7 +144,7 @@ class Timeline:
 
 
 def engine_kwargs(args) -> dict:
-    kw = dict(dtype=args.dtype, max_model_len=args.prompt_len + 8, max_num_seqs=max(args.batch_sizes),
+    kw = dict(dtype=args.dtype, max_model_len=args.prompt_len + args.max_tokens + 8, max_num_seqs=max(args.batch_sizes),
               max_num_batched_tokens=max(args.max_num_batched_tokens, args.prompt_len),
               enable_prefix_caching=False, enforce_eager=args.eager)
     if args.tp > 1:
@@ -164,15 +164,22 @@ def shutdown(llm) -> None:
         torch.cuda.empty_cache()
 
 
+def gen_params(args):
+    """Greedy, ``--max-tokens`` new tokens each (no early stop), no detokenizing: the same for every variant."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+
+
 class Plain:
     """vLLM as users run it, driven request by request through ``LLMEngine``."""
 
     def __init__(self, model, data, args, **extra):
-        from vllm import LLM, SamplingParams
+        from vllm import LLM
 
         self.data = data
         self.llm = LLM(model=str(model), **engine_kwargs(args), **extra)
-        sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)  # as the Tap's prompt mode
+        sp = gen_params(args)  # max_tokens 1: as the Tap's prompt mode
         self.params_for = lambda i: sp
 
     def rate(self, inflight: int, data=None) -> float:
@@ -195,7 +202,7 @@ class Floor(Plain):
     """The capture path's engine + the connector, which reports every save done without reading a row."""
 
     def __init__(self, model, data, args, path: str = "hook", **extra):
-        from vllm import LLM, SamplingParams
+        from vllm import LLM
 
         from layertap.engine import compat, launch
         from layertap.engine.connector import PARAMS_KEY
@@ -209,9 +216,11 @@ class Floor(Plain):
             self.llm = LLM(model=str(model), **launch.engine_capture_kwargs(path, args.layers, kw),
                            kv_transfer_config=launch.kv_transfer_config(conn), **kw, **extra)
 
+        mode = "prompt" if args.max_tokens == 1 else "generate"
+
         def params_for(i):
-            sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-            sp.extra_args = {"kv_transfer_params": {PARAMS_KEY: {"index": i, "mode": "prompt", "run": "floor"}}}
+            sp = gen_params(args)
+            sp.extra_args = {"kv_transfer_params": {PARAMS_KEY: {"index": i, "mode": mode, "run": "floor"}}}
             return sp
 
         self.params_for = params_for
@@ -240,6 +249,8 @@ class Capture:
 
         self.inputs = [{"token_ids": ids} for ids in data]
         self.prompt_len = args.prompt_len
+        # --max-tokens > 1: generate mode, each record holds the prompt's rows and every generated token's
+        self.mode, self.sp = ("prompt", None) if args.max_tokens == 1 else ("generate", gen_params(args))
         self.tap = Tap(model=model, layers=args.layers, transport=args.transport,
                        transport_config={"slot_bytes": shm_slot_bytes(args), "num_slots": shm_slots(args),
                                          "checksum": args.checksum} if args.transport == "shm" else None,
@@ -251,7 +262,7 @@ class Capture:
         self.tap.max_inflight = inflight
         t0 = time.perf_counter()
         count = 0
-        for rec in self.tap.capture(inputs):
+        for rec in self.tap.capture(inputs, mode=self.mode, sampling_params=self.sp):
             count += 1
             rec.release()
         dt = time.perf_counter() - t0
@@ -397,6 +408,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-tokens", type=int, default=1,
+                    help="new tokens per request (default 1: prefill only; more: decode-heavy steps, generate-mode "
+                         "records; throughput still counts prompt tokens)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (default: compiled)")
     ap.add_argument("--gpu-mem", type=float, default=None,

@@ -114,6 +114,9 @@ def parse(argv):
     ap.add_argument("--prompts", type=int, default=48, help="requests per round and variant")
     ap.add_argument("--inflight", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=1,
+                    help="new tokens per request (default 1: every step a prefill; e.g. 32: mostly decode steps, "
+                         "as in serving, with generate-mode records)")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--num-layers", type=int, default=4)
     ap.add_argument("--compiled", action="store_true", help="torch.compile the model (default: enforce_eager)")
@@ -123,7 +126,8 @@ def parse(argv):
     a = ap.parse_args(argv)
     co_argv = ["--hidden", str(a.hidden), "--head-dim", "32", "--num-layers", str(a.num_layers),
                "--prompt-len", str(a.prompt_len), "--prompts", str(a.prompts),
-               "--batch-sizes", ",".join(map(str, a.inflight)), "--variants", ",".join(VARIANTS), "--no-hf"]
+               "--batch-sizes", ",".join(map(str, a.inflight)), "--variants", ",".join(VARIANTS), "--no-hf",
+               "--max-tokens", str(a.max_tokens)]
     if not a.compiled:
         co_argv.append("--eager")
     return a, co.parse_args(co_argv)
@@ -229,7 +233,7 @@ def main() -> None:
                     steps[v][b].append(n)
         print(f"\nper-step wall time of LLMEngine.step(), in-process engine core, CPU build "
               f"(vLLM {__import__('vllm').__version__}), tiny qwen3 hidden {a.hidden} x {a.num_layers} layers, "
-              f"{'compiled' if a.compiled else 'eager'}, {a.prompts} x {a.prompt_len}-token prompts, max_tokens 1, "
+              f"{'compiled' if a.compiled else 'eager'}, {a.prompts} x {a.prompt_len}-token prompts, max_tokens {a.max_tokens}, "
               f"{a.rounds} interleaved rounds; median [min-max]; ratio = variant / plain in the same round")
         print(f"{'in-flight':>9} {'variant':>8} {'us/step':>9} {'range':>17} {'steps':>6} {'ratio':>6} {'ratio range':>13} "
               f"{'+us/step':>9}")

@@ -218,7 +218,13 @@ def main() -> None:
                 order = ["plain", "capture"] if (rnd + i) % 2 == 0 else ["capture", "plain"]
                 for v in order:
                     before = consumer.count
-                    r = bench(ports[v], model, args, c, tmp / f"{v}-{c}-{rnd}.json", seed=rnd * 1000 + c)
+                    try:
+                        r = bench(ports[v], model, args, c, tmp / f"{v}-{c}-{rnd}.json", seed=rnd * 1000 + c)
+                    except (OSError, SystemExit) as e:  # a dead server: say so, with its own last words
+                        state = "running" if procs[v].poll() is None else f"exited {procs[v].returncode}"
+                        errs = [ln for ln in logs[v].read_text(errors="replace").splitlines() if "Error" in ln]
+                        raise SystemExit(f"{v} server ({state}) failed at concurrency {c}: {e}\n"
+                                         f"its first error lines ({logs[v]}):\n" + "\n".join(errs[:3] + errs[-3:]))
                     if v == "capture":  # every request (the initial test request and warm-ups too) leaves a record
                         want = r["server_requests"]
                         deadline = time.monotonic() + 60

@@ -307,6 +307,7 @@ class Tap:
                 n += 1
             return n
 
+        inproc = compat.engine_core_in_process(self.llm)
         while queue or running or expect:
             running += admit()
             if running:
@@ -332,6 +333,10 @@ class Tap:
                 # Refill before handing records out: the engine works on the next requests while the
                 # caller consumes records (at 1 in flight it would otherwise sit idle meanwhile).
                 running += admit()
+            elif expect and inproc:
+                # An in-process engine core steps only when called: the step that passes the last finished
+                # requests to the connector's save (generate mode) would otherwise never run.
+                self.step()
             # Wait for records only when there is nothing else to do: no request running and none to admit
             # (else a record in flight would hold up the next request's admission).
             idle = not running and not (queue and self._can_admit(running, len(expect)))

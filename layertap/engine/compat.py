@@ -181,6 +181,15 @@ def async_scheduling(llm: Any) -> bool:
     return bool(getattr(llm.llm_engine.vllm_config.scheduler_config, "async_scheduling", False))
 
 
+def engine_core_in_process(llm: Any) -> bool:
+    """Whether the engine core runs in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM's
+    ``InprocClient``). Such a core steps only when ``LLMEngine.step()`` is called; a core in its own
+    process keeps stepping while its scheduler still holds finished requests (the step that hands a
+    finished request to the connector's save comes after the step it finished in)."""
+    core = getattr(llm.llm_engine, "engine_core", None)
+    return type(core).__name__ == "InprocClient"
+
+
 def engine_dead(llm: Any) -> bool:
     """True once the frontend has seen the engine-core process die (no hang waiting for it)."""
     core = getattr(llm.llm_engine, "engine_core", None)

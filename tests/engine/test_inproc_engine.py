@@ -1,0 +1,57 @@
+"""The Tap over an engine core in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as the step-cost
+benchmark and single-process debugging run it). Such a core steps only when called, so the Tap must keep
+stepping while records are owed: in generate mode the step that hands the last finished requests to the
+connector's save comes after the one they finished in (seen: the last record of a run never arrived and
+the Tap raised MissingRecords). Runs in a child process, since the setting is read when vLLM starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = r"""
+import json, sys
+from vllm import SamplingParams
+from layertap.models.tiny import tiny_model
+from layertap.tap import Tap
+from layertap.engine import compat
+from tests.engine.helpers import BASE, assert_all_match, random_prompts
+
+model = tiny_model("qwen3")
+inputs = random_prompts(5, [7, 40], seed=31)
+out = {}
+with Tap(model=model, layers=[1, 2, 4], **BASE, record_timeout=30) as tap:
+    out["in_process"] = compat.engine_core_in_process(tap.llm)
+    for inflight in (1, 3):  # the last request finishes alone, and with others
+        tap.max_inflight = inflight
+        sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        recs = list(tap.capture(inputs, mode="generate", sampling_params=sp))
+        out[f"rows@{inflight}"] = sorted((r.index, r.hidden_states.shape[0] - len(inputs[r.index]["token_ids"]))
+                                         for r in recs)
+        assert_all_match(recs, model)
+        prompt = list(tap.capture(inputs[:2]))  # prompt mode after it, on the same engine
+        out[f"prompt@{inflight}"] = sorted(r.index for r in prompt)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_generate_mode_over_an_in_process_engine_core_delivers_every_record():
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and line, r.stdout[-3000:] + r.stderr[-3000:]
+    out = json.loads(line[0][len("RESULT "):])
+    assert out["in_process"] is True
+    for inflight in (1, 3):
+        # every input's record, each with its prompt's rows and 6 - 1 generated ones (the last never ran)
+        assert out[f"rows@{inflight}"] == [[i, 5] for i in range(5)], out
+        assert out[f"prompt@{inflight}"] == [0, 1], out

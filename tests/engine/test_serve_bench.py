@@ -1,0 +1,44 @@
+"""``benchmarks/serve_overhead.py`` end to end on the CPU build, small: ``layertap serve --capture-all`` and
+``vllm serve`` started side by side, each driven by vLLM's own load generator (``vllm bench serve``) at two
+concurrencies. The GPU serving measurement (issue 15, ``scripts/gpu_check.sh serve``) is this same script;
+here it must finish with every request's record counted and a sample of the served records recomputed by
+HF. No speed is asserted (that is the benchmark's job on the GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_serving_benchmark_counts_every_record_and_verifies_a_sample(tmp_path):
+    out = tmp_path / "serve_overhead.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve_overhead.py"), "--hidden", "64", "--num-layers", "4",
+           "--head-dim", "32", "--input-len", "48", "--output-len", "16", "--concurrency", "1,4",
+           "--prompts-per-concurrency", "2", "--min-prompts", "6", "--rounds", "1", "--verify", "3",
+           "--start-timeout", "300", "--bench-timeout", "300", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    tail = (r.stdout[-4000:] + "\n" + r.stderr[-4000:])
+    assert r.returncode == 0, tail
+    rep = json.loads(out.read_text())
+    assert [row["concurrency"] for row in rep["rows"]] == [1, 4], rep["rows"]
+    for row in rep["rows"]:
+        # every request the capture server finished (the load generator's warm-ups too) left one record
+        assert row["requests"] >= 6 and row["records"] == row["requests"], row
+        for v in ("plain", "capture"):
+            assert row[v]["output_throughput"] > 0 and row[v]["median_tpot_ms"] > 0, (v, row[v])
+            (run,) = row["rounds"][v]
+            assert run["completed"] == run["num_prompts"], (v, run)
+    ver = rep["verified"]
+    assert ver["ok"] and ver["records"] == 3, ver
+    assert ver["tokens"] > 3 * 16, ver  # generate mode: the prompt's rows and every generated token's
+    assert "serving overhead on cpu" in r.stdout, tail
