@@ -164,6 +164,11 @@ def shutdown(llm) -> None:
         torch.cuda.empty_cache()
 
 
+def record_mode(args) -> str:
+    """The records' mode: ``prompt`` for ``--max-tokens 1`` (prefill only), else ``generate``."""
+    return "prompt" if args.max_tokens == 1 else "generate"
+
+
 def gen_params(args):
     """Greedy, ``--max-tokens`` new tokens each (no early stop), no detokenizing: the same for every variant."""
     from vllm import SamplingParams
@@ -179,7 +184,7 @@ class Plain:
 
         self.data = data
         self.llm = LLM(model=str(model), **engine_kwargs(args), **extra)
-        sp = gen_params(args)  # max_tokens 1: as the Tap's prompt mode
+        sp = gen_params(args)  # with --max-tokens 1, as the Tap's prompt mode
         self.params_for = lambda i: sp
 
     def rate(self, inflight: int, data=None) -> float:
@@ -216,7 +221,7 @@ class Floor(Plain):
             self.llm = LLM(model=str(model), **launch.engine_capture_kwargs(path, args.layers, kw),
                            kv_transfer_config=launch.kv_transfer_config(conn), **kw, **extra)
 
-        mode = "prompt" if args.max_tokens == 1 else "generate"
+        mode = record_mode(args)
 
         def params_for(i):
             sp = gen_params(args)
@@ -250,7 +255,8 @@ class Capture:
         self.inputs = [{"token_ids": ids} for ids in data]
         self.prompt_len = args.prompt_len
         # --max-tokens > 1: generate mode, each record holds the prompt's rows and every generated token's
-        self.mode, self.sp = ("prompt", None) if args.max_tokens == 1 else ("generate", gen_params(args))
+        self.mode = record_mode(args)
+        self.sp = gen_params(args) if self.mode == "generate" else None
         self.tap = Tap(model=model, layers=args.layers, transport=args.transport,
                        transport_config={"slot_bytes": shm_slot_bytes(args), "num_slots": shm_slots(args),
                                          "checksum": args.checksum} if args.transport == "shm" else None,
