@@ -123,7 +123,11 @@ def parse(argv):
     ap.add_argument("--profile", type=lambda s: s.split(","), default=[],
                     help="also cProfile these variants' steps (comma-separated)")
     ap.add_argument("--profile-top", type=int, default=40)
+    ap.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
+                    help="comma-separated capture_overhead variants, plain first (e.g. plain,floor,floor-legacy)")
     a = ap.parse_args(argv)
+    if a.variants[:1] != ["plain"] or any(v not in co.VARIANTS for v in a.variants):
+        raise SystemExit(f"--variants must start with plain and name variants of {list(co.VARIANTS)}")
     co_argv = ["--hidden", str(a.hidden), "--head-dim", "32", "--num-layers", str(a.num_layers),
                "--prompt-len", str(a.prompt_len), "--prompts", str(a.prompts),
                "--batch-sizes", ",".join(map(str, a.inflight)), "--variants", ",".join(VARIANTS), "--no-hf",
@@ -214,19 +218,19 @@ def main() -> None:
                 raise SystemExit(f"the {v} engine process died (exit {procs[v].exitcode})")
         return conns[v].recv()
     try:
-        for v in VARIANTS:  # started one after the other: 2 cores
+        for v in a.variants:  # started one after the other: 2 cores
             parent, kid = ctx.Pipe()
             procs[v] = ctx.Process(target=child, args=(v, argv, kid), name=f"step-cost-{v}")
             procs[v].start()
             conns[v] = parent
             if recv(v) != "ready":
                 raise SystemExit(f"{v} failed to start")
-        per_step = {v: {b: [] for b in a.inflight} for v in VARIANTS}
-        steps = {v: {b: [] for b in a.inflight} for v in VARIANTS}
+        per_step = {v: {b: [] for b in a.inflight} for v in a.variants}
+        steps = {v: {b: [] for b in a.inflight} for v in a.variants}
         for rnd in range(a.rounds):
             for b in a.inflight:
-                k = (rnd + a.inflight.index(b)) % len(VARIANTS)
-                for v in VARIANTS[k:] + VARIANTS[:k]:
+                k = (rnd + a.inflight.index(b)) % len(a.variants)
+                for v in a.variants[k:] + a.variants[:k]:
                     conns[v].send(("rate", b))
                     t, n = recv(v)
                     per_step[v][b].append(t)
@@ -235,15 +239,15 @@ def main() -> None:
               f"(vLLM {__import__('vllm').__version__}), tiny qwen3 hidden {a.hidden} x {a.num_layers} layers, "
               f"{'compiled' if a.compiled else 'eager'}, {a.prompts} x {a.prompt_len}-token prompts, max_tokens {a.max_tokens}, "
               f"{a.rounds} interleaved rounds; median [min-max]; ratio = variant / plain in the same round")
-        print(f"{'in-flight':>9} {'variant':>8} {'us/step':>9} {'range':>17} {'steps':>6} {'ratio':>6} {'ratio range':>13} "
+        print(f"{'in-flight':>9} {'variant':>14} {'us/step':>9} {'range':>17} {'steps':>6} {'ratio':>6} {'ratio range':>13} "
               f"{'+us/step':>9}")
         for b in a.inflight:
             plain = per_step["plain"][b]
-            for v in VARIANTS:
+            for v in a.variants:
                 xs = per_step[v][b]
                 ratios = [x / p for x, p in zip(xs, plain)]
                 extra = statistics.median([x - p for x, p in zip(xs, plain)])
-                print(f"{b:>9} {v:>8} {1e6 * statistics.median(xs):>9.0f} "
+                print(f"{b:>9} {v:>14} {1e6 * statistics.median(xs):>9.0f} "
                       f"{f'[{1e6 * min(xs):.0f}-{1e6 * max(xs):.0f}]':>17} {statistics.median(steps[v][b]):>6.0f} "
                       f"{statistics.median(ratios):>6.3f} {f'[{min(ratios):.3f}-{max(ratios):.3f}]':>13} "
                       f"{1e6 * extra:>9.0f}")
@@ -251,11 +255,11 @@ def main() -> None:
             print(f"\ntorch calls per step (Python-level torch functions / tensor methods in the stepping thread), "
                   f"{b} in flight:")
             wheres = {}
-            for v in VARIANTS:
+            for v in a.variants:
                 conns[v].send(("count", b))
                 counts, where, n0 = recv(v)
                 wheres[v] = (where, n0)
-                print(f"  {v:>8}: {counts.get('all', 0) / n0:7.1f} per step in all, "
+                print(f"  {v:>14}: {counts.get('all', 0) / n0:7.1f} per step in all, "
                       f"{counts.get('layertap+connector', 0) / n0:6.1f} called from layertap / vLLM KV-connector code, "
                       f"{counts.get('layertap+connector ops', 0) / n0:6.1f} of them ops (not attribute reads) ({n0} steps)")
             for v in ("floor", "capture"):

@@ -1,15 +1,18 @@
-"""Serving overhead: ``layertap serve --capture-all`` against ``vllm serve`` with the same flags, both driven
+"""Serving overhead: ``layertap serve --capture-all`` against ``vllm serve`` with the same flags, all driven
 by vLLM's own load generator (``vllm bench serve``, random prompts), interleaved per concurrency.
 
-Both servers run at once (each with ``--gpu-memory-utilization`` of its share), so a ratio compares the same
-minutes of the machine. The capture server streams every request's record (prompt + generated tokens, mode
-``generate``) over the ``shm`` transport to a consumer in this process, which counts them; a sample is
-recomputed with HF transformers after the runs. Prints, per concurrency: output tokens/s, TTFT and TPOT
-(median and p99) of both and their ratios, and the records counted against the requests completed.
+All servers run at once (``--variants``: plain, then one or more capture servers, each with
+``--gpu-memory-utilization`` of its share), so a ratio compares the same minutes of the machine. Each capture
+server streams every request's record (prompt + generated tokens, mode ``generate``) over the ``shm``
+transport to a consumer in this process, which counts them; a sample of the first capture variant's records
+is recomputed with HF transformers after the runs. Prints, per concurrency and server: output tokens/s, TTFT
+and TPOT (median and p99), the server's own TPOT, the ratios to plain in the same round, and the records
+counted against the requests completed.
 
     python benchmarks/serve_overhead.py                                   # CPU: tiny model, short runs
     python benchmarks/serve_overhead.py --hidden 2048 --num-layers 16 --head-dim 128 --dtype bfloat16 \\
-        --input-len 512 --output-len 256 --concurrency 1,16,64            # GPU (scripts/gpu_check.sh serve)
+        --input-len 512 --output-len 256 --concurrency 1,16,64 \\
+        --variants plain,capture,capture-full                            # GPU (scripts/gpu_check.sh serve)
 """
 
 from __future__ import annotations
@@ -138,6 +141,17 @@ def bench(port: int, model: str, args, concurrency: int, out: Path, seed: int) -
         "server_itl_ms": 1e3 * d["vllm:inter_token_latency_seconds_sum"] / max(1.0, d["vllm:inter_token_latency_seconds_count"])}
 
 
+# The capture servers this benchmark can start, by the engine environment that makes each (see layertap's
+# engine.compat / engine.connector): capture-full keeps vLLM's FULL CUDA graphs for decode (without it the
+# capture layer drops the engine to PIECEWISE graphs); capture-legacy is the hook of before 2026-12-02
+# (torch scatter, vLLM's wrapper calling the connector around every attention layer on every step).
+CAPTURE_ENV = {
+    "capture": {},
+    "capture-full": {"LAYERTAP_HOOK_FULL_GRAPHS": "1"},
+    "capture-legacy": {"LAYERTAP_HOOK_SCATTER": "torch", "LAYERTAP_QUIET_LAYERS": "0"},
+}
+
+
 def main() -> None:
     import capture_overhead as co
 
@@ -153,20 +167,24 @@ def main() -> None:
     ap.add_argument("--prompts-per-concurrency", type=int, default=4, help="prompts per run = this x concurrency")
     ap.add_argument("--min-prompts", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds per concurrency")
-    ap.add_argument("--gpu-mem", type=float, default=0.4, help="gpu_memory_utilization of each server")
+    ap.add_argument("--gpu-mem", type=float, default=None,
+                    help="gpu_memory_utilization of each server (default 0.4, or 0.8 / number of servers)")
     ap.add_argument("--slot-mb", type=int, default=None, help="shm slot size (default: one record's size)")
     ap.add_argument("--verify", type=int, default=8, help="records recomputed with HF after the runs")
     ap.add_argument("--start-timeout", type=float, default=600)
     ap.add_argument("--bench-timeout", type=float, default=900)
-    ap.add_argument("--full-graphs", action="store_true",
-                    help="the capture server keeps vLLM's FULL CUDA graphs for decode (LAYERTAP_HOOK_FULL_GRAPHS=1); "
-                         "without it the capture layer drops that engine to PIECEWISE graphs")
+    ap.add_argument("--variants", type=lambda s: s.split(","), default=["plain", "capture"],
+                    help=f"servers side by side, plain first, then capture servers of {list(CAPTURE_ENV)}")
+    ap.add_argument("--full-graphs", action="store_true", help="shorthand for --variants plain,capture-full")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.prompts, args.prompt_len = 1, args.input_len
+    if args.full_graphs:
+        args.variants = ["plain", "capture-full"]
+    caps = args.variants[1:]
+    if args.variants[:1] != ["plain"] or not caps or any(v not in CAPTURE_ENV for v in caps) or len(set(caps)) < len(caps):
+        raise SystemExit(f"--variants: plain first, then one or more distinct of {list(CAPTURE_ENV)}; got {args.variants}")
     import torch
-
-    from layertap.engine.compat import FULL_GRAPHS_ENV
 
     model = str(co.build_model(args))
     n = args.num_layers
@@ -176,48 +194,51 @@ def main() -> None:
     slot_mb = args.slot_mb or -(-(rows * len(layers) * args.hidden * getattr(torch, args.dtype).itemsize + rows * 9
                                   + (64 << 10)) >> 20)
     slots = 2 * max(args.concurrency) + 16
+    gpu_mem = args.gpu_mem if args.gpu_mem is not None else min(0.4, 0.8 / len(args.variants))
     engine = ["--max-model-len", str(args.input_len + args.output_len + 16), "--dtype", args.dtype,
               "--max-num-seqs", str(max(args.concurrency))]
-    engine += ["--gpu-memory-utilization", str(args.gpu_mem)] if on_cuda else ["--kv-cache-memory-bytes", str(512 << 20)]
+    engine += ["--gpu-memory-utilization", str(gpu_mem)] if on_cuda else ["--kv-cache-memory-bytes", str(512 << 20)]
     tmp = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     env = {**os.environ, "VLLM_NO_USAGE_STATS": "1"}
     procs: dict[str, subprocess.Popen] = {}
-    ports = {"plain": free_port(), "capture": free_port()}
+    ports = {v: free_port() for v in args.variants}
     logs = {v: tmp / f"{v}.log" for v in ports}
-    consumer = None
+    consumers: dict[str, Consumer] = {}
     try:
         procs["plain"] = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
              "--port", str(ports["plain"]), *engine], stdout=open(logs["plain"], "w"), stderr=subprocess.STDOUT,
             env=env, start_new_session=True)
-        procs["capture"] = subprocess.Popen(
-            [sys.executable, "-m", "layertap.cli", "serve", "--model", model, "--layers", ",".join(map(str, layers)),
-             "--capture-all", "--transport", "shm", "--shm-slot-mb", str(slot_mb), "--shm-slots", str(slots),
-             "--port", str(ports["capture"]), *engine], stdout=open(logs["capture"], "w"), stderr=subprocess.STDOUT,
-            env={**env, **({FULL_GRAPHS_ENV: "1"} if args.full_graphs else {})}, start_new_session=True)
-        cfg = None
-        deadline = time.monotonic() + 120
-        while cfg is None:
-            for line in logs["capture"].read_text(errors="replace").splitlines():
-                if line.startswith("transport config for a consumer: "):
-                    cfg = json.loads(line.split(": ", 1)[1])
-            if cfg is None:
-                if procs["capture"].poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("layertap serve printed no transport config:\n" + logs["capture"].read_text()[-3000:])
-                time.sleep(0.5)
-        consumer = Consumer(cfg, args.verify)
-        consumer.start()
+        for v in caps:
+            procs[v] = subprocess.Popen(
+                [sys.executable, "-m", "layertap.cli", "serve", "--model", model, "--layers", ",".join(map(str, layers)),
+                 "--capture-all", "--transport", "shm", "--shm-slot-mb", str(slot_mb), "--shm-slots", str(slots),
+                 "--port", str(ports[v]), *engine], stdout=open(logs[v], "w"), stderr=subprocess.STDOUT,
+                env={**env, **CAPTURE_ENV[v]}, start_new_session=True)
+        for v in caps:
+            cfg = None
+            deadline = time.monotonic() + 120
+            while cfg is None:
+                for line in logs[v].read_text(errors="replace").splitlines():
+                    if line.startswith("transport config for a consumer: "):
+                        cfg = json.loads(line.split(": ", 1)[1])
+                if cfg is None:
+                    if procs[v].poll() is not None or time.monotonic() > deadline:
+                        raise SystemExit(f"layertap serve ({v}) printed no transport config:\n" + logs[v].read_text()[-3000:])
+                    time.sleep(0.5)
+            consumers[v] = Consumer(cfg, args.verify if v == caps[0] else 0)
+            consumers[v].start()
         for v, p in ports.items():
             wait_healthy(p, procs[v], logs[v], args.start_timeout)
-        print(f"servers up (plain :{ports['plain']}, capture :{ports['capture']}); model {model}, layers {layers}",
+        print(f"servers up ({', '.join(f'{v} :{p}' for v, p in ports.items())}); model {model}, layers {layers}",
               flush=True)
         results: dict[str, dict[int, list[dict]]] = {v: {c: [] for c in args.concurrency} for v in ports}
-        records: dict[int, list[tuple[int, int]]] = {c: [] for c in args.concurrency}
+        records: dict[str, dict[int, list[tuple[int, int]]]] = {v: {c: [] for c in args.concurrency} for v in caps}
         for rnd in range(args.rounds):
             for i, c in enumerate(args.concurrency):
-                order = ["plain", "capture"] if (rnd + i) % 2 == 0 else ["capture", "plain"]
-                for v in order:
-                    before = consumer.count
+                k = (rnd + i) % len(args.variants)  # the order rotates: each variant goes first in turn
+                for v in args.variants[k:] + args.variants[:k]:
+                    before = consumers[v].count if v in consumers else 0
                     try:
                         r = bench(ports[v], model, args, c, tmp / f"{v}-{c}-{rnd}.json", seed=rnd * 1000 + c)
                     except (OSError, SystemExit) as e:  # a dead server: say so, with its own last words
@@ -225,71 +246,90 @@ def main() -> None:
                         errs = [ln for ln in logs[v].read_text(errors="replace").splitlines() if "Error" in ln]
                         raise SystemExit(f"{v} server ({state}) failed at concurrency {c}: {e}\n"
                                          f"its first error lines ({logs[v]}):\n" + "\n".join(errs[:3] + errs[-3:]))
-                    if v == "capture":  # every request (the initial test request and warm-ups too) leaves a record
-                        want = r["server_requests"]
+                    if v in consumers:  # every request (the initial test request and warm-ups too) leaves a record
+                        con, want = consumers[v], r["server_requests"]
                         deadline = time.monotonic() + 60
-                        while consumer.count - before < want and time.monotonic() < deadline and consumer.error is None:
+                        while con.count - before < want and time.monotonic() < deadline and con.error is None:
                             time.sleep(0.05)
-                        got = consumer.count - before
-                        records[c].append((got, want))
+                        got = con.count - before
+                        records[v][c].append((got, want))
                         r["records"], r["records_expected"] = got, want
-                    if consumer.error is not None:
-                        raise consumer.error
+                        if con.error is not None:
+                            raise con.error
                     results[v][c].append(r)
-                    print(f"  round {rnd + 1} concurrency {c:>3} {v:>7}: {r['output_throughput']:.1f} out tok/s, TTFT "
+                    print(f"  round {rnd + 1} concurrency {c:>3} {v:>14}: {r['output_throughput']:.1f} out tok/s, TTFT "
                           f"{r['median_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f} ms, TPOT {r['median_tpot_ms']:.2f} / "
-                          f"{r['p99_tpot_ms']:.2f} ms" + (f", records {r['records']}/{r['records_expected']}"
-                                                          if v == "capture" else ""), flush=True)
-        consumer.stop.set()
-        consumer.join(10)
+                          f"{r['p99_tpot_ms']:.2f} ms, server TPOT {r['server_tpot_ms']:.2f} ms"
+                          + (f", records {r['records']}/{r['records_expected']}" if v in consumers else ""), flush=True)
+        for con in consumers.values():
+            con.stop.set()
+            con.join(10)
         table = []
         print(f"\nserving overhead on {torch.cuda.get_device_name() if on_cuda else 'cpu'}: random prompts, "
               f"{args.input_len} in / {args.output_len} out tokens, hidden {args.hidden} x {n} layers, {args.dtype}, "
-              f"layers {layers}, shm transport; medians over {args.rounds} round(s)")
-        print(f"{'conc.':>5} {'plain out tok/s':>15} {'capture':>9} {'ratio':>6} {'TPOT p50 plain/capture':>24} "
-              f"{'TPOT p99':>16} {'server TPOT':>18} {'ratio':>6} {'TTFT p50':>16} {'records':>12}")
+              f"layers {layers}, shm transport; servers {args.variants} side by side; medians over {args.rounds} "
+              "round(s); ratios: median over rounds of (capture / plain in the same round), [min-max]")
+        print(f"{'conc.':>5} {'variant':>14} {'out tok/s':>10} {'ratio':>18} {'TPOT p50':>9} {'TPOT p99':>9} "
+              f"{'server TPOT':>11} {'ratio':>18} {'TTFT p50':>9} {'TTFT p99':>9} {'records':>11}")
         for c in args.concurrency:
             med = {v: {k: statistics.median(r[k] for r in results[v][c]) for k in METRICS[:6]} for v in ports}
-            p, q = med["plain"], med["capture"]
-            got = sum(g for g, _ in records[c])
-            want = sum(w for _, w in records[c])
-            row = {"concurrency": c, "plain": p, "capture": q,
-                   "throughput_ratio": q["output_throughput"] / p["output_throughput"],
-                   "tpot_ratio": q["median_tpot_ms"] / p["median_tpot_ms"] if p["median_tpot_ms"] else None,
-                   "server_tpot_ratio": q["server_tpot_ms"] / p["server_tpot_ms"] if p["server_tpot_ms"] else None,
-                   "records": got, "requests": want,
-                   "rounds": {v: results[v][c] for v in ports}}
+            p = med["plain"]
+            row = {"concurrency": c, "plain": p, "rounds": {v: results[v][c] for v in ports}, "variants": {}}
+            print(f"{c:>5} {'plain':>14} {p['output_throughput']:>10.1f} {'':>18} {p['median_tpot_ms']:>9.2f} "
+                  f"{p['p99_tpot_ms']:>9.2f} {p['server_tpot_ms']:>11.2f} {'':>18} {p['median_ttft_ms']:>9.1f} "
+                  f"{p['p99_ttft_ms']:>9.1f}")
+            for v in caps:
+                q = med[v]
+                tr = [x["output_throughput"] / y["output_throughput"] for x, y in zip(results[v][c], results["plain"][c])]
+                sr = [x["server_tpot_ms"] / y["server_tpot_ms"] for x, y in zip(results[v][c], results["plain"][c])
+                      if y["server_tpot_ms"]]
+                got, want = sum(g for g, _ in records[v][c]), sum(w for _, w in records[v][c])
+                entry = {**q, "throughput_ratio": statistics.median(tr), "throughput_ratio_range": [min(tr), max(tr)],
+                         "tpot_ratio": q["median_tpot_ms"] / p["median_tpot_ms"] if p["median_tpot_ms"] else None,
+                         "server_tpot_ratio": statistics.median(sr) if sr else None,
+                         "server_tpot_ratio_range": [min(sr), max(sr)] if sr else None,
+                         "records": got, "requests": want}
+                row["variants"][v] = entry
+                print(f"{c:>5} {v:>14} {q['output_throughput']:>10.1f} {_med_range(tr):>18} {q['median_tpot_ms']:>9.2f} "
+                      f"{q['p99_tpot_ms']:>9.2f} {q['server_tpot_ms']:>11.2f} {_med_range(sr):>18} {q['median_ttft_ms']:>9.1f} "
+                      f"{q['p99_ttft_ms']:>9.1f} {got:>5}/{want:<5}")
+            first = row["variants"][caps[0]]  # the first capture variant's fields at the top level, as before
+            row.update({"capture": med[caps[0]], "throughput_ratio": first["throughput_ratio"],
+                        "tpot_ratio": first["tpot_ratio"], "server_tpot_ratio": first["server_tpot_ratio"],
+                        "records": sum(e["records"] for e in row["variants"].values()),
+                        "requests": sum(e["requests"] for e in row["variants"].values())})
             table.append(row)
-            print(f"{c:>5} {p['output_throughput']:>15.1f} {q['output_throughput']:>9.1f} {row['throughput_ratio']:>6.3f} "
-                  f"{p['median_tpot_ms']:>11.2f} / {q['median_tpot_ms']:<10.2f} "
-                  f"{p['p99_tpot_ms']:>7.2f} / {q['p99_tpot_ms']:<6.2f} {p['server_tpot_ms']:>8.2f} / {q['server_tpot_ms']:<7.2f} "
-                  f"{(row['server_tpot_ratio'] or 0):>6.3f} {p['median_ttft_ms']:>7.1f} / {q['median_ttft_ms']:<6.1f} "
-                  f"{got:>5}/{want:<5}")
         verified = None
-        if consumer.sample:
+        sample = consumers[caps[0]].sample
+        if sample:
             from layertap.verify import verify_records
 
             for v, proc in procs.items():  # free the GPU for the reference model
                 _stop(proc)
-            rep = verify_records(consumer.sample, model, dtype=getattr(torch, args.dtype))
-            verified = {"records": rep.records, "tokens": rep.tokens, "ok": bool(rep.ok),
+            rep = verify_records(sample, model, dtype=getattr(torch, args.dtype))
+            verified = {"variant": caps[0], "records": rep.records, "tokens": rep.tokens, "ok": bool(rep.ok),
                         "min_cosine_by_layer": {lid: st.min_cos for lid, st in rep.per_layer.items()},
                         "failures": rep.failures[:10]}
-            print(f"HF check of {rep.records} served records ({rep.tokens} tokens): {'OK' if rep.ok else 'MISMATCH'}; "
-                  f"worst cosine by layer {verified['min_cosine_by_layer']}")
+            print(f"HF check of {rep.records} records served by {caps[0]} ({rep.tokens} tokens): "
+                  f"{'OK' if rep.ok else 'MISMATCH'}; worst cosine by layer {verified['min_cosine_by_layer']}")
         if args.json:
             Path(args.json).write_text(json.dumps({"args": vars(args), "layers": layers, "rows": table,
                                                    "verified": verified}, indent=1, default=str))
-        missing = [r for r in table if r["records"] != r["requests"]]
-        if missing or (verified is not None and not verified["ok"]) or not consumer.sample:
-            raise SystemExit(f"records missing or wrong: {[(r['concurrency'], r['records'], r['requests']) for r in missing]}")
+        missing = [(r["concurrency"], v, e["records"], e["requests"]) for r in table for v, e in r["variants"].items()
+                   if e["records"] != e["requests"]]
+        if missing or (verified is not None and not verified["ok"]) or not sample:
+            raise SystemExit(f"records missing or wrong: {missing}")
     finally:
-        if consumer is not None:
-            consumer.stop.set()
+        for con in consumers.values():
+            con.stop.set()
         for proc in procs.values():
             _stop(proc)
-        if consumer is not None:
-            consumer.src.close()
+        for con in consumers.values():
+            con.src.close()
+
+
+def _med_range(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} [{min(xs):.2f}-{max(xs):.2f}]" if xs else "-"
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -6,17 +6,19 @@
 #   bash scripts/gpu_check.sh tests   # CUDA capture correctness (eager + compiled, bf16 vs HF), stream
 #                                      # safety, layer-0 bug detection, tensor parallel 2 if 2 GPUs
 #   bash scripts/gpu_check.sh bench   # capture overhead (hidden 2048, 16 layers, 1..256 in flight; plain,
-#                                      # capture (device commit), capture-hostcommit and floor engines side by
-#                                      # side, BENCH_REPEATS (3) interleaved rounds; BENCH_VARIANTS=... picks
-#                                      # others (see the benchmark docstring)); then a torch-profiler trace of
-#                                      # every engine at 1 and 4 in flight (PROFILE_INFLIGHT), summarized
-#                                      # side by side + trainer MFU (SKIP_TRAIN_BENCH=1: skip)
+#                                      # capture, capture-legacy, floor and floor-legacy engines side by side
+#                                      # (the -legacy ones: the hook before its scatter and per-layer cuts),
+#                                      # BENCH_REPEATS (3) interleaved rounds; BENCH_VARIANTS=... picks others (see
+#                                      # the benchmark docstring)); then a torch-profiler trace of every engine
+#                                      # at 1 and 4 in flight (PROFILE_INFLIGHT; SKIP_PROFILE=1: none),
+#                                      # summarized side by side + trainer MFU (SKIP_TRAIN_BENCH=1: skip)
 #   bash scripts/gpu_check.sh bench-tp2   # the overhead ratio with tensor parallel 2 (two GPUs)
 #   bash scripts/gpu_check.sh loop    # train a target, EAGLE-3 + DFlash online and offline, serve them with
 #                                      # speculative decoding, report (benchmarks/gpu_loop.py; exit 75: call again)
-#   bash scripts/gpu_check.sh serve   # layertap serve --capture-all vs vllm serve, both under `vllm bench serve`
+#   bash scripts/gpu_check.sh serve   # layertap serve --capture-all vs vllm serve, all under `vllm bench serve`
 #                                      # (512 in / 256 out, concurrency 1,16,64; needs .gpubundle/serve wheels;
-#                                      # SERVE_FULL_GRAPHS=1: the capture server keeps FULL CUDA graphs)
+#                                      # SERVE_VARIANTS (plain,capture,capture-full: capture-full keeps FULL CUDA
+#                                      # graphs for decode), side by side, SERVE_ROUNDS (2) interleaved rounds)
 #   bash scripts/gpu_check.sh profile     # py-spy over PROFILE_VARIANTS (plain capture) at PROFILE_INFLIGHT (1):
 #                                          # where a request's time goes, per process and thread (needs
 #                                          # py-spy: on PATH, or its wheel carried as .gpubundle/py_spy-*.whl)
@@ -58,7 +60,7 @@ bench_args="--hidden 2048 --num-layers 16 --head-dim 128 --vocab 2048 --prompts 
 if [ "$phase" = bench ] || [ "$phase" = all ]; then
   CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} python3 benchmarks/capture_overhead.py $bench_args \
     --batch-sizes ${BENCH_BATCH_SIZES:-1,4,16,64,256} \
-    --variants ${BENCH_VARIANTS:-plain,capture,capture-hostcommit,floor} --repeats ${BENCH_REPEATS:-3} \
+    --variants ${BENCH_VARIANTS:-plain,capture,capture-legacy,floor,floor-legacy} --repeats ${BENCH_REPEATS:-3} \
     $( [ -z "${SKIP_PROFILE:-}" ] && echo "--profile-dir /tmp/lt-profile --profile-inflight ${PROFILE_INFLIGHT:-1,4}" ) \
     --json "$OUT/capture_overhead.json" > "$OUT/capture_overhead.log" 2>&1
   rc=$(( rc | $? ))
@@ -88,7 +90,8 @@ if [ "$phase" = serve ]; then  # layertap serve --capture-all vs vllm serve unde
   rc=${PIPESTATUS[0]}
   if [ "$rc" = 0 ]; then
     python3 benchmarks/serve_overhead.py --hidden 2048 --num-layers 16 --head-dim 128 --vocab 2048 --dtype bfloat16 \
-      --input-len 512 --output-len 256 --concurrency ${SERVE_CONCURRENCY:-1,16,64} --rounds ${SERVE_ROUNDS:-2} ${SERVE_FULL_GRAPHS:+--full-graphs} \
+      --input-len 512 --output-len 256 --concurrency ${SERVE_CONCURRENCY:-1,16,64} --rounds ${SERVE_ROUNDS:-2} \
+      --variants ${SERVE_VARIANTS:-plain,capture,capture-full} \
       --json "$OUT/serve_overhead.json" > "$OUT/serve_overhead.log" 2>&1
     rc=$?
     grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING\|^(APIServer\|Loading weights\|verify:" "$OUT/serve_overhead.log" | tail -24

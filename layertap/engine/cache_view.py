@@ -191,6 +191,16 @@ def gather_rows(view: torch.Tensor, geo: ViewGeometry, slots: torch.Tensor) -> t
     return view[blk, off]  # [num_blocks, block, planes, hidden] -> [T, n_planes, hidden]
 
 
+def check_planes(geo: ViewGeometry, slots: torch.Tensor, planes: Sequence[torch.Tensor]) -> None:
+    """Raise ``CacheLayoutError`` unless there is one plane per captured layer, each with a row per slot."""
+    if len(planes) != geo.n_planes:
+        raise CacheLayoutError(f"{len(planes)} hidden-state planes for a view of {geo.n_planes}")
+    n = slots.shape[0]
+    for p, rows in enumerate(planes):
+        if rows.shape[0] < n:
+            raise CacheLayoutError(f"plane {p} has {rows.shape[0]} rows for {n} slots")
+
+
 def scatter_planes(view: torch.Tensor, geo: ViewGeometry, slots: torch.Tensor, planes: Sequence[torch.Tensor]) -> None:
     """Write one row per slot into each plane of the view: ``planes[p][i]`` lands at ``slots[i]``.
 
@@ -199,12 +209,8 @@ def scatter_planes(view: torch.Tensor, geo: ViewGeometry, slots: torch.Tensor, p
     mapping); rows past it are padding and are not written. Padding slots (-1) are sent to block 0, which
     vLLM never hands to a request (its null block), so the write needs no branch and no host sync.
     """
-    if len(planes) != geo.n_planes:
-        raise CacheLayoutError(f"{len(planes)} hidden-state planes for a view of {geo.n_planes}")
+    check_planes(geo, slots, planes)
     n = slots.shape[0]
-    for p, rows in enumerate(planes):
-        if rows.shape[0] < n:
-            raise CacheLayoutError(f"plane {p} has {rows.shape[0]} rows for {n} slots")
     blk, off = view_index(slots.clamp_min(0), geo.view_block_size)
     # One write for all planes (this runs on the engine's step thread every forward: few kernel launches)
     stacked = torch.stack([rows[:n] for rows in planes], dim=1)  # [n, planes, hidden]

@@ -17,7 +17,8 @@ What runs where:
     worker (connector):        group_infos, capture_layer_name, capture_layer_ids, tp_rank, sizes, extra_config,
                                capture_plane_axis
     worker (hook worker):      platform_worker_class, prepare_worker -> install_capture_hook,
-                               install_cpu_seed_rewind, graphable_cache_only_backend, step_slot_mapping
+                               install_cpu_seed_rewind, graphable_cache_only_backend, step_slot_mapping,
+                               KernelScatter (hook_scatter)
 Not here, since no vLLM version changes them: the ``LLM(...)`` arguments and process environment of a capture
 engine (``launch``), the rewindable CPU generator (``seed_rewind``), the cache-view arithmetic (``cache_view``).
 """
@@ -37,6 +38,7 @@ from layertap.engine.cache_view import CAPTURE_LAYER_MARK, GroupInfo
 from layertap.engine.seed_rewind import RewindableCPUGenerator
 
 log = logging.getLogger("layertap")
+wlog = logging.getLogger("vllm.layertap")  # in engine processes: under "vllm", so vLLM's own log set-up shows it
 
 SUPPORTED = ("0.25", "0.32")
 HOOK_LAYER_PREFIX = "layertap.cache_only_layers"  # contains cache_view.CAPTURE_LAYER_MARK
@@ -364,7 +366,8 @@ def prepare_worker(runner: Any, vllm_config: Any) -> None:
     configured, and on the CPU build the seeded-sampling fix."""
     extra = extra_config(vllm_config) if vllm_config.kv_transfer_config is not None else {}
     if extra.get("capture_path", "hook") == "hook":
-        install_capture_hook(runner, vllm_config, full_graphs=bool(extra.get("full_graphs")) or hook_full_graphs())
+        install_capture_hook(runner, vllm_config, full_graphs=bool(extra.get("full_graphs")) or hook_full_graphs(),
+                             scatter=hook_scatter_mode(extra, torch.device(runner.device).type == "cuda"))
     if torch.device(runner.device).type == "cpu":
         install_cpu_seed_rewind(runner)
 
@@ -441,6 +444,77 @@ def graphable_cache_only_backend() -> type:
     return LayertapCacheOnlyBackend
 
 
+HOOK_SCATTER_ENV = "LAYERTAP_HOOK_SCATTER"
+"""``kernel`` (default on CUDA) or ``torch``: how the hook writes its rows into the capture layer (also the
+connector option ``hook_scatter``). ``kernel``: vLLM's own KV-cache write (``reshape_and_cache_flash``), one
+launch per two planes, padding slots skipped inside the kernel; ``torch``: ``cache_view.scatter_planes``
+(clamp, block/offset arithmetic, stack, one indexed write: about nine torch calls per forward). The CPU
+build always uses ``torch``."""
+
+
+class KernelScatter:
+    """Writes the hook's planes into the capture layer with vLLM's CUDA KV-cache write
+    (``_C_cache_ops.reshape_and_cache_flash``): the view, seen as ``[blocks, block_size, planes, hidden]``,
+    is a paged KV cache with one "head" per plane; each call writes two planes as its key and value.
+    That kernel takes ``slot_mapping.size(0)`` tokens (the planes may be padded longer), skips slots < 0,
+    and reads the cache's block, page and head strides, so the plane slices need no copy.
+
+    ``check_once``: on the first forward outside CUDA-graph capture whose slots are distinct and valid,
+    the written rows are read back and compared with the planes (one host sync, once); a mismatch
+    raises ``CacheLayoutError`` naming it, before any record is read."""
+
+    def __init__(self, view: torch.Tensor, plane_axis: int, n_planes: int):
+        op = getattr(getattr(torch.ops, "_C_cache_ops", None), "reshape_and_cache_flash", None)
+        if op is None:
+            raise UnsupportedVLLM("this vLLM build registers no _C_cache_ops.reshape_and_cache_flash")
+        kv = view if plane_axis == 2 else view.transpose(1, 2)  # [blocks, block_size, planes, hidden]
+        if kv.stride(3) != 1:
+            raise UnsupportedVLLM(f"capture view strides {tuple(view.stride())}: hidden is not contiguous")
+        self.op, self.view, self.kv = op, view, kv
+        self.pairs = [(p, min(p + 1, n_planes - 1)) for p in range(0, n_planes, 2)]
+        self.caches = [(kv[:, :, a:a + 1], kv[:, :, b:b + 1]) for a, b in self.pairs]
+        self.scale = torch.ones((), dtype=torch.float32, device=view.device)
+        self.checked, self.tries = False, 0
+
+    MAX_TRIES = 64
+
+    def __call__(self, slots: torch.Tensor, planes: list[torch.Tensor]) -> None:
+        from layertap.engine.cache_view import CacheLayoutError
+
+        if slots.dtype != torch.int64:
+            slots = slots.long()
+        for (a, b), (kc, vc) in zip(self.pairs, self.caches):
+            ka, vb = planes[a], planes[b]
+            if ka.stride(-1) != 1 or vb.stride(-1) != 1:
+                ka, vb = ka.contiguous(), vb.contiguous()
+            self.op(ka.unsqueeze(1), vb.unsqueeze(1), kc, vc, slots, "auto", self.scale, self.scale)
+        if not self.checked and self.tries < self.MAX_TRIES and not torch.cuda.is_current_stream_capturing():
+            self.tries += 1
+            n = slots.shape[0]
+            s = slots[slots >= 0]  # a host sync, on the first forwards only
+            if s.numel() and s.numel() == n and torch.unique(s).numel() == n:
+                bs = self.kv.shape[1]
+                got = self.kv[s // bs, s % bs]  # [n, planes, hidden]
+                want = torch.stack([p[:n] for p in planes], dim=1)
+                if not torch.equal(got, want):
+                    bad = (got != want).flatten(1).any(1).nonzero().flatten()[:8].tolist()
+                    raise CacheLayoutError(f"the capture layer's kernel write (reshape_and_cache_flash) put other "
+                                           f"values than the model's planes at rows {bad} of {n}; set "
+                                           f"{HOOK_SCATTER_ENV}=torch and report this vLLM build")
+                self.checked = True
+                wlog.info("layertap hook: kernel scatter checked against the planes on %d rows", n)
+            elif self.tries == self.MAX_TRIES:
+                wlog.warning("layertap hook: the kernel scatter was not checked: none of the first %d forwards had "
+                            "distinct valid slots only", self.MAX_TRIES)
+
+
+def hook_scatter_mode(extra: dict[str, Any], on_cuda: bool) -> str:
+    mode = str(extra.get("hook_scatter") or os.environ.get(HOOK_SCATTER_ENV) or ("kernel" if on_cuda else "torch"))
+    if mode not in ("kernel", "torch"):
+        raise ValueError(f"hook_scatter must be 'kernel' or 'torch', not {mode!r}")
+    return "torch" if not on_cuda else mode
+
+
 _RUNNER: list[Any] = []  # weakref to this worker's model runner (install_capture_hook), for step_slot_mapping
 
 
@@ -458,7 +532,7 @@ def step_slot_mapping(layer_name: str, num_tokens: int) -> torch.Tensor | None:
     return None if g is None or g >= buf.shape[0] else buf[g, :num_tokens]
 
 
-def install_capture_hook(runner: Any, vllm_config: Any, full_graphs: bool = False) -> None:
+def install_capture_hook(runner: Any, vllm_config: Any, full_graphs: bool = False, scatter: str = "torch") -> None:
     """Make the loaded target model write its residual-stream rows into a cache-only KV layer.
 
     Runs in each worker right after the model is loaded, before memory profiling, compilation and CUDA
@@ -477,7 +551,7 @@ def install_capture_hook(runner: Any, vllm_config: Any, full_graphs: bool = Fals
     from vllm.forward_context import get_forward_context
     from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer, dummy_attention
 
-    from layertap.engine.cache_view import scatter_planes, view_geometry
+    from layertap.engine.cache_view import check_planes, scatter_planes, view_geometry
 
     layer_ids = capture_layer_ids(vllm_config)
     if vllm_config.speculative_config is not None:
@@ -510,14 +584,20 @@ def install_capture_hook(runner: Any, vllm_config: Any, full_graphs: bool = Fals
         if not hasattr(layer, "attn_backend"):
             raise UnsupportedVLLM("full_graphs: this vLLM's CacheOnlyAttentionLayer has no attn_backend to replace")
         layer.attn_backend = graphable_cache_only_backend()
-        log.info("layertap hook: full_graphs: the capture layer declares UNIFORM_BATCH CUDA-graph support")
+        wlog.info("layertap hook: full_graphs: the capture layer declares UNIFORM_BATCH CUDA-graph support")
     _RUNNER[:] = [weakref.ref(runner)]
     n_planes, width, plane_axis = len(layer_ids), hidden_size(vllm_config), capture_plane_axis(vllm_version())
     geo = None  # the capture layer's geometry, read on the first forward with a bound cache
+    kernel: KernelScatter | None = None  # scatter == "kernel": built on the first forward with a bound cache
+    placeholder: torch.Tensor | None = None  # dummy_attention's empty input, made once per bound cache
+    if scatter == "kernel":
+        import importlib
+
+        importlib.import_module("vllm._custom_ops")  # registers torch.ops._C_cache_ops
     original = model.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        nonlocal geo
+        nonlocal geo, kernel, placeholder
         out = original(*args, **kwargs)
         if not isinstance(out, tuple) or len(out) != 2 or not isinstance(out[1], list):
             raise UnsupportedVLLM(f"{type(model).__name__}.forward returned {type(out).__name__}, not "
@@ -530,13 +610,20 @@ def install_capture_hook(runner: Any, vllm_config: Any, full_graphs: bool = Fals
         if slots is None:  # memory profiling / dummy runs before the KV cache exists: nothing to keep
             return hidden
         view = layer.kv_cache
-        if geo is None:
+        if geo is None or placeholder is None or placeholder.device != view.device or (
+                kernel is not None and kernel.view is not view):
             geo = view_geometry(tuple(view.shape), n_planes, width, plane_axis=plane_axis)
-        scatter_planes(view, geo, slots, aux)  # raises, with numbers, if the model returned other planes
+            kernel = KernelScatter(view, plane_axis, n_planes) if scatter == "kernel" else None
+            placeholder = torch.empty(0, device=view.device, dtype=view.dtype)
+        if kernel is None:
+            scatter_planes(view, geo, slots, aux)  # raises, with numbers, if the model returned other planes
+        else:
+            check_planes(geo, slots, aux)
+            kernel(slots, aux)
         # The connector's save hook (first-step slot checks) runs as it does for vLLM's own cache layer.
-        dummy_attention(name, torch.empty(0, device=view.device, dtype=view.dtype))
+        dummy_attention(name, placeholder)
         return hidden
 
     model.forward = forward
-    log.info("layertap hook: %s taps layers %s of %s into %s (%d planes of %d)", type(runner).__name__, layer_ids,
-             type(model).__name__, name, n_planes, width)
+    wlog.info("layertap hook: %s taps layers %s of %s into %s (%d planes of %d; %s scatter)", type(runner).__name__,
+             layer_ids, type(model).__name__, name, n_planes, width, scatter)

@@ -22,6 +22,8 @@ Worker side (each worker process; only TP rank 0 reads and writes):
     wait_for_save()                -> after the step: slot checks its forward did not run (under a FULL
                                       CUDA-graph replay no Python hook runs) against the step's slot mapping
     start_load_kv / wait_for_layer_load: no-ops
+    has_connector_metadata()       -> False on steps without slot checks, so vLLM's wrapper around every
+                                      attention layer skips its two connector calls (``quiet_layers``)
 
 Rows are read by *the request's own block ids*: for a prompt-mode request on the hook path in the step
 whose forward completes its prompt (its rows are final then, and its blocks are not held), otherwise when
@@ -59,6 +61,8 @@ log = logging.getLogger("vllm.layertap")  # under "vllm": shown by vLLM's own lo
 
 
 _OWNER_WATCH: list[threading.Thread] = []  # one per process
+
+QUIET_LAYERS_ENV = "LAYERTAP_QUIET_LAYERS"  # 0: vLLM's wrapper calls the connector around every layer, every step
 
 
 def watch_owner(owner: dict[str, int] | None, role: str, period: float = 0.5) -> None:
@@ -103,6 +107,7 @@ class LayertapConnector(KVConnectorBase_V1, SupportsHMA):
         self._group = find_hidden_group(groups) if groups else 0
         self._block_size = groups[self._group].block_size if groups else int(vllm_config.cache_config.block_size)
         self._check_steps = int(self._extra.get("slot_check_steps", 4))
+        self._quiet_layers = bool(self._extra.get("quiet_layers", os.environ.get(QUIET_LAYERS_ENV, "1") == "1"))
         self._group_desc = {
             "index": self._group, "block_size": self._block_size, "num_groups": len(groups),
             "own_group": bool(groups) and groups[self._group].spec_type == "HiddenStateCacheSpec",
@@ -151,14 +156,28 @@ class LayertapConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
         self._worker.check_slots(layer_name, attn_metadata, self._get_connector_metadata())
 
+    def has_connector_metadata(self) -> bool:
+        """What vLLM's per-attention-layer wrapper asks before it calls ``wait_for_layer_load`` and
+        ``save_kv_layer`` around *every* attention layer, every step. layertap needs those calls only on a
+        step that carries slot checks (the first steps), so it answers False on the others: the wrapper
+        then runs the layer straight (connector option ``quiet_layers``, default on). layertap's own hooks
+        read the metadata through ``_bound_meta``."""
+        meta = self._bound_meta()
+        if meta is None:
+            return False
+        return not self._quiet_layers or bool(getattr(meta, "checks", None))
+
+    def _bound_meta(self) -> KVConnectorMetadata | None:
+        return self._get_connector_metadata() if super().has_connector_metadata() else None
+
     def wait_for_save(self) -> None:
         # After the step's forward: checks it did not run (FULL CUDA-graph replay) run now, or fail by name.
-        if self.has_connector_metadata():
-            self._worker.check_unrun(self._get_connector_metadata())
+        meta = self._bound_meta()
+        if meta is not None:
+            self._worker.check_unrun(meta)
 
     def get_finished(self, finished_req_ids: set[str]):
-        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-        return self._worker.finished(meta), None
+        return self._worker.finished(self._bound_meta()), None
 
     def shutdown(self) -> None:
         if getattr(self, "_worker", None) is not None:
