@@ -262,7 +262,7 @@ def main() -> None:
                 print(f"  {v:>14}: {counts.get('all', 0) / n0:7.1f} per step in all, "
                       f"{counts.get('layertap+connector', 0) / n0:6.1f} called from layertap / vLLM KV-connector code, "
                       f"{counts.get('layertap+connector ops', 0) / n0:6.1f} of them ops (not attribute reads) ({n0} steps)")
-            for v in ("floor", "capture"):
+            for v in a.variants[1:]:
                 where, n0 = wheres[v]
                 print(f"  {v} by innermost layertap / connector frame -> torch call, per step:")
                 for key, c in sorted(where.items(), key=lambda kv: -kv[1]):

@@ -63,8 +63,10 @@ def wait_healthy(port: int, proc: subprocess.Popen, log: Path, timeout: float) -
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"server on :{port} exited {proc.returncode}; last log lines:\n"
-                             + "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
+            lines = log.read_text(errors="replace").splitlines()
+            errs = [ln for ln in lines if "Error" in ln or "error" in ln][:12]
+            raise SystemExit(f"server on :{port} ({log.stem}) exited {proc.returncode}; its first error lines:\n"
+                             + "\n".join(errs) + "\nlast log lines:\n" + "\n".join(lines[-30:]))
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
@@ -167,8 +169,9 @@ def main() -> None:
     ap.add_argument("--prompts-per-concurrency", type=int, default=4, help="prompts per run = this x concurrency")
     ap.add_argument("--min-prompts", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds per concurrency")
-    ap.add_argument("--gpu-mem", type=float, default=None,
-                    help="gpu_memory_utilization of each server (default 0.4, or 0.8 / number of servers)")
+    ap.add_argument("--kv-gb", type=float, default=None,
+                    help="KV-cache memory of each server, GiB (default: room for every request in flight twice over; "
+                         "the same for every server)")
     ap.add_argument("--slot-mb", type=int, default=None, help="shm slot size (default: one record's size)")
     ap.add_argument("--verify", type=int, default=8, help="records recomputed with HF after the runs")
     ap.add_argument("--start-timeout", type=float, default=600)
@@ -176,6 +179,8 @@ def main() -> None:
     ap.add_argument("--variants", type=lambda s: s.split(","), default=["plain", "capture"],
                     help=f"servers side by side, plain first, then capture servers of {list(CAPTURE_ENV)}")
     ap.add_argument("--full-graphs", action="store_true", help="shorthand for --variants plain,capture-full")
+    ap.add_argument("--log-dir", default=None, help="where the servers' logs and the load generator's results go "
+                    "(default: a fresh temporary folder)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.prompts, args.prompt_len = 1, args.input_len
@@ -194,17 +199,30 @@ def main() -> None:
     slot_mb = args.slot_mb or -(-(rows * len(layers) * args.hidden * getattr(torch, args.dtype).itemsize + rows * 9
                                   + (64 << 10)) >> 20)
     slots = 2 * max(args.concurrency) + 16
-    gpu_mem = args.gpu_mem if args.gpu_mem is not None else min(0.4, 0.8 / len(args.variants))
+    # Every server gets the same explicit KV-cache size, so none sizes its cache from the memory it sees
+    # free: servers started at once on one GPU then cannot trip vLLM's start-up profiling check (free memory
+    # changed by another process while it profiled: "Error in memory profiling"), and none caps its batch
+    # below another's. A low gpu_memory_utilization leaves vLLM's free-memory check at start-up satisfied
+    # while the others load (it does not size anything once the KV bytes are given).
+    heads = max(1, args.hidden // args.head_dim)
+    per_token = n * 2 * max(1, heads // 4 if heads >= 4 else heads) * args.head_dim * getattr(torch, args.dtype).itemsize \
+        + len(layers) * args.hidden * getattr(torch, args.dtype).itemsize  # attention K+V and the capture layer
+    kv_bytes = int(args.kv_gb * (1 << 30)) if args.kv_gb else max(
+        512 << 20, 2 * max(args.concurrency) * (rows + 16) * per_token)
     engine = ["--max-model-len", str(args.input_len + args.output_len + 16), "--dtype", args.dtype,
-              "--max-num-seqs", str(max(args.concurrency))]
-    engine += ["--gpu-memory-utilization", str(gpu_mem)] if on_cuda else ["--kv-cache-memory-bytes", str(512 << 20)]
-    tmp = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+              "--max-num-seqs", str(max(args.concurrency)), "--kv-cache-memory-bytes", str(kv_bytes)]
+    engine += ["--gpu-memory-utilization", "0.05"] if on_cuda else []
+    tmp = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    # a `timeout` (SIGTERM) still stops the servers and frees their pools (the finally below)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"serve_overhead: stopped by SIGTERM; server logs in {tmp}"))
     env = {**os.environ, "VLLM_NO_USAGE_STATS": "1"}
     procs: dict[str, subprocess.Popen] = {}
     ports = {v: free_port() for v in args.variants}
     logs = {v: tmp / f"{v}.log" for v in ports}
     consumers: dict[str, Consumer] = {}
     try:
+        t_start = time.monotonic()
         procs["plain"] = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
              "--port", str(ports["plain"]), *engine], stdout=open(logs["plain"], "w"), stderr=subprocess.STDOUT,
@@ -228,8 +246,9 @@ def main() -> None:
                     time.sleep(0.5)
             consumers[v] = Consumer(cfg, args.verify if v == caps[0] else 0)
             consumers[v].start()
-        for v, p in ports.items():
-            wait_healthy(p, procs[v], logs[v], args.start_timeout)
+        for v in args.variants:  # each one's start-up time, so a run cut short says where its time went
+            wait_healthy(ports[v], procs[v], logs[v], args.start_timeout)
+            print(f"{v} server healthy {time.monotonic() - t_start:.0f} s after the start", flush=True)
         print(f"servers up ({', '.join(f'{v} :{p}' for v, p in ports.items())}); model {model}, layers {layers}",
               flush=True)
         results: dict[str, dict[int, list[dict]]] = {v: {c: [] for c in args.concurrency} for v in ports}

@@ -91,7 +91,7 @@ if [ "$phase" = serve ]; then  # layertap serve --capture-all vs vllm serve unde
   if [ "$rc" = 0 ]; then
     python3 benchmarks/serve_overhead.py --hidden 2048 --num-layers 16 --head-dim 128 --vocab 2048 --dtype bfloat16 \
       --input-len 512 --output-len 256 --concurrency ${SERVE_CONCURRENCY:-1,16,64} --rounds ${SERVE_ROUNDS:-2} \
-      --variants ${SERVE_VARIANTS:-plain,capture,capture-full} \
+      --variants ${SERVE_VARIANTS:-plain,capture,capture-full} --log-dir "$OUT/serve-logs" \
       --json "$OUT/serve_overhead.json" > "$OUT/serve_overhead.log" 2>&1
     rc=$?
     grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING\|^(APIServer\|Loading weights\|verify:" "$OUT/serve_overhead.log" | tail -24
