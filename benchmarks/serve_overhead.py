@@ -178,14 +178,11 @@ def main() -> None:
     ap.add_argument("--bench-timeout", type=float, default=900)
     ap.add_argument("--variants", type=lambda s: s.split(","), default=["plain", "capture"],
                     help=f"servers side by side, plain first, then capture servers of {list(CAPTURE_ENV)}")
-    ap.add_argument("--full-graphs", action="store_true", help="shorthand for --variants plain,capture-full")
     ap.add_argument("--log-dir", default=None, help="where the servers' logs and the load generator's results go "
                     "(default: a fresh temporary folder)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.prompts, args.prompt_len = 1, args.input_len
-    if args.full_graphs:
-        args.variants = ["plain", "capture-full"]
     caps = args.variants[1:]
     if args.variants[:1] != ["plain"] or not caps or any(v not in CAPTURE_ENV for v in caps) or len(set(caps)) < len(caps):
         raise SystemExit(f"--variants: plain first, then one or more distinct of {list(CAPTURE_ENV)}; got {args.variants}")
@@ -312,11 +309,6 @@ def main() -> None:
                 print(f"{c:>5} {v:>14} {q['output_throughput']:>10.1f} {_med_range(tr):>18} {q['median_tpot_ms']:>9.2f} "
                       f"{q['p99_tpot_ms']:>9.2f} {q['server_tpot_ms']:>11.2f} {_med_range(sr):>18} {q['median_ttft_ms']:>9.1f} "
                       f"{q['p99_ttft_ms']:>9.1f} {got:>5}/{want:<5}")
-            first = row["variants"][caps[0]]  # the first capture variant's fields at the top level, as before
-            row.update({"capture": med[caps[0]], "throughput_ratio": first["throughput_ratio"],
-                        "tpot_ratio": first["tpot_ratio"], "server_tpot_ratio": first["server_tpot_ratio"],
-                        "records": sum(e["records"] for e in row["variants"].values()),
-                        "requests": sum(e["requests"] for e in row["variants"].values())})
             table.append(row)
         verified = None
         sample = consumers[caps[0]].sample

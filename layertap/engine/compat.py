@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from layertap.engine.cache_view import CAPTURE_LAYER_MARK, GroupInfo
+from layertap.engine.cache_view import CAPTURE_LAYER_MARK, CacheLayoutError, GroupInfo, ViewGeometry, gather_rows
 from layertap.engine.seed_rewind import RewindableCPUGenerator
 
 log = logging.getLogger("layertap")
@@ -459,18 +459,20 @@ class KernelScatter:
     That kernel takes ``slot_mapping.size(0)`` tokens (the planes may be padded longer), skips slots < 0,
     and reads the cache's block, page and head strides, so the plane slices need no copy.
 
-    ``check_once``: on the first forward outside CUDA-graph capture whose slots are distinct and valid,
-    the written rows are read back and compared with the planes (one host sync, once); a mismatch
-    raises ``CacheLayoutError`` naming it, before any record is read."""
+    Self check: on the first forward outside CUDA-graph capture whose slots are all valid and distinct
+    (tried on the first ``MAX_TRIES`` forwards), the written rows are read back and compared with the
+    planes (one host sync, once); a mismatch raises ``CacheLayoutError`` naming it, before any record is
+    read."""
 
-    def __init__(self, view: torch.Tensor, plane_axis: int, n_planes: int):
+    def __init__(self, view: torch.Tensor, geo: ViewGeometry):
+        plane_axis, n_planes = geo.plane_axis, geo.n_planes
         op = getattr(getattr(torch.ops, "_C_cache_ops", None), "reshape_and_cache_flash", None)
         if op is None:
             raise UnsupportedVLLM("this vLLM build registers no _C_cache_ops.reshape_and_cache_flash")
         kv = view if plane_axis == 2 else view.transpose(1, 2)  # [blocks, block_size, planes, hidden]
         if kv.stride(3) != 1:
             raise UnsupportedVLLM(f"capture view strides {tuple(view.stride())}: hidden is not contiguous")
-        self.op, self.view, self.kv = op, view, kv
+        self.op, self.view, self.geo = op, view, geo
         self.pairs = [(p, min(p + 1, n_planes - 1)) for p in range(0, n_planes, 2)]
         self.caches = [(kv[:, :, a:a + 1], kv[:, :, b:b + 1]) for a, b in self.pairs]
         self.scale = torch.ones((), dtype=torch.float32, device=view.device)
@@ -479,8 +481,6 @@ class KernelScatter:
     MAX_TRIES = 64
 
     def __call__(self, slots: torch.Tensor, planes: list[torch.Tensor]) -> None:
-        from layertap.engine.cache_view import CacheLayoutError
-
         if slots.dtype != torch.int64:
             slots = slots.long()
         for (a, b), (kc, vc) in zip(self.pairs, self.caches):
@@ -493,8 +493,7 @@ class KernelScatter:
             n = slots.shape[0]
             s = slots[slots >= 0]  # a host sync, on the first forwards only
             if s.numel() and s.numel() == n and torch.unique(s).numel() == n:
-                bs = self.kv.shape[1]
-                got = self.kv[s // bs, s % bs]  # [n, planes, hidden]
+                got = gather_rows(self.view, self.geo, s)  # [n, planes, hidden]
                 want = torch.stack([p[:n] for p in planes], dim=1)
                 if not torch.equal(got, want):
                     bad = (got != want).flatten(1).any(1).nonzero().flatten()[:8].tolist()
@@ -587,9 +586,12 @@ def install_capture_hook(runner: Any, vllm_config: Any, full_graphs: bool = Fals
         wlog.info("layertap hook: full_graphs: the capture layer declares UNIFORM_BATCH CUDA-graph support")
     _RUNNER[:] = [weakref.ref(runner)]
     n_planes, width, plane_axis = len(layer_ids), hidden_size(vllm_config), capture_plane_axis(vllm_version())
-    geo = None  # the capture layer's geometry, read on the first forward with a bound cache
-    kernel: KernelScatter | None = None  # scatter == "kernel": built on the first forward with a bound cache
-    placeholder: torch.Tensor | None = None  # dummy_attention's empty input, made once per bound cache
+    # Set up on the first forward with a bound cache, again if vLLM binds another tensor: the view's
+    # geometry, the kernel scatter (scatter == "kernel") and dummy_attention's empty input
+    bound: torch.Tensor | None = None
+    geo: Any = None
+    kernel: KernelScatter | None = None
+    placeholder: torch.Tensor | None = None
     if scatter == "kernel":
         import importlib
 
@@ -597,7 +599,7 @@ def install_capture_hook(runner: Any, vllm_config: Any, full_graphs: bool = Fals
     original = model.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        nonlocal geo, kernel, placeholder
+        nonlocal bound, geo, kernel, placeholder
         out = original(*args, **kwargs)
         if not isinstance(out, tuple) or len(out) != 2 or not isinstance(out[1], list):
             raise UnsupportedVLLM(f"{type(model).__name__}.forward returned {type(out).__name__}, not "
@@ -610,11 +612,11 @@ def install_capture_hook(runner: Any, vllm_config: Any, full_graphs: bool = Fals
         if slots is None:  # memory profiling / dummy runs before the KV cache exists: nothing to keep
             return hidden
         view = layer.kv_cache
-        if geo is None or placeholder is None or placeholder.device != view.device or (
-                kernel is not None and kernel.view is not view):
+        if view is not bound:
             geo = view_geometry(tuple(view.shape), n_planes, width, plane_axis=plane_axis)
-            kernel = KernelScatter(view, plane_axis, n_planes) if scatter == "kernel" else None
+            kernel = KernelScatter(view, geo) if scatter == "kernel" else None
             placeholder = torch.empty(0, device=view.device, dtype=view.dtype)
+            bound = view
         if kernel is None:
             scatter_planes(view, geo, slots, aux)  # raises, with numbers, if the model returned other planes
         else:

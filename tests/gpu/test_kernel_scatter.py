@@ -35,7 +35,7 @@ def test_kernel_scatter_writes_what_the_torch_scatter_writes(plane_axis, planes)
     slots[[7, 31]] = -1
     rows = [torch.randn(48, hidden, generator=g, device="cuda").to(torch.bfloat16) for _ in range(planes)]
     scatter_planes(a, geo, slots, rows)
-    k = KernelScatter(b, plane_axis, planes)
+    k = KernelScatter(b, geo)
     k(slots, rows)
     valid = slots[slots >= 0]
     assert torch.equal(gather_rows(b, geo, valid), gather_rows(a, geo, valid))
@@ -49,7 +49,7 @@ def test_kernel_scatter_writes_what_the_torch_scatter_writes(plane_axis, planes)
 
 def test_kernel_scatter_self_check_names_a_wrong_write():
     view = make_view(2)
-    k = KernelScatter(view, 2, 4)
+    k = KernelScatter(view, view_geometry(tuple(view.shape), 4, 256, plane_axis=2))
     real = k.op
 
     def wrong(key, value, kc, vc, slots, dtype, ks, vs):  # writes the key plane's rows negated
