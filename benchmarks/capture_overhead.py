@@ -17,9 +17,9 @@ Variants (``--variants``; the ratio column is ``capture`` over ``plain``, the ot
                        payload, no engine thread waits for the copies)
     capture-hostcommit capture whose writer thread waits for each step's copies and commits the records on
                        the CPU (the record path before the device commit)
-    capture-full       capture with vLLM's FULL CUDA graphs kept for decode batches (connector option
-                       full_graphs; without it the capture layer drops the engine to PIECEWISE graphs);
-                       prefill-only rounds run piecewise either way, so it shows in decode-heavy serving
+    capture-piecewise  capture with vLLM's fallback to PIECEWISE CUDA graphs (connector option
+                       full_graphs=False; the default keeps FULL graphs for decode batches); prefill-only
+                       rounds run piecewise either way, so it shows in decode-heavy serving
     floor-legacy       floor with the hook of before 2026-12-02 (rows scattered with ~9 torch calls per forward,
                        not vLLM's cache-write kernel; vLLM's wrapper calling the connector around every
                        attention layer on every step): what those two cuts buy the floor
@@ -315,8 +315,8 @@ VARIANTS = {
     "capture": lambda m, d, a: Capture(m, d, a, **profiler_kwargs(a, "capture")),
     "capture-hostcommit": lambda m, d, a: Capture(m, d, a, connector_options={"device_commit": False},
                                                   **profiler_kwargs(a, "capture-hostcommit")),
-    "capture-full": lambda m, d, a: Capture(m, d, a, connector_options={"full_graphs": True},
-                                            **profiler_kwargs(a, "capture-full")),
+    "capture-piecewise": lambda m, d, a: Capture(m, d, a, connector_options={"full_graphs": False},
+                                                 **profiler_kwargs(a, "capture-piecewise")),
     "floor-legacy": lambda m, d, a: Floor(m, d, a, options=LEGACY_HOOK, **profiler_kwargs(a, "floor-legacy")),
     "capture-legacy": lambda m, d, a: Capture(m, d, a, connector_options=LEGACY_HOOK,
                                               **profiler_kwargs(a, "capture-legacy")),

@@ -49,20 +49,21 @@ def workload():
     return varied, shared
 
 
-@pytest.mark.parametrize("mode", ["compiled", "eager", "compiled-extract", "compiled-full"])
+@pytest.mark.parametrize("mode", ["compiled", "eager", "compiled-extract", "compiled-piecewise"])
 def test_capture_matches_hf_in_bf16(model, mode, capfd):
     """Compiled mode writes rows straight into the registered shm pool (the default); eager mode stages
     them through pinned buffers (connector_options direct=False), so both record paths are checked.
     The hook capture path (default) runs with vLLM's default scheduling (async on 0.25/CUDA), generate
     mode included; ``compiled-extract`` runs the same workload through vLLM's extract_hidden_states;
-    ``compiled-full`` keeps vLLM's FULL CUDA graphs for decode (connector option full_graphs), so the
-    generate-mode decode rows are written by graph replays."""
+    ``compiled`` keeps vLLM's FULL CUDA graphs for decode (the default), so the generate-mode decode rows
+    are written by graph replays; ``compiled-piecewise`` (connector option full_graphs=False) lets vLLM
+    fall back to PIECEWISE graphs, the control that the log check below can fail."""
     from vllm import SamplingParams
 
     from layertap.engine.compat import async_scheduling
 
     layers = [1, 2, 4] if mode == "eager" else [0, 1, 2, 4]
-    opts = {"direct": False} if mode == "eager" else {"full_graphs": True} if mode == "compiled-full" else {}
+    opts = {"direct": False} if mode == "eager" else {"full_graphs": False} if mode == "compiled-piecewise" else {}
     path = "extract" if mode.endswith("extract") else "hook"
     varied, shared = workload()
     with Tap(model=model, layers=layers, enforce_eager=(mode == "eager"), connector_options=opts,
@@ -80,9 +81,11 @@ def test_capture_matches_hf_in_bf16(model, mode, capfd):
     text = log.out + log.err
     if path == "hook":  # the rows went in through vLLM's cache-write kernel, self-checked
         assert "kernel scatter)" in text and "kernel scatter checked against the planes" in text, text[-3000:]
-    if mode == "compiled-full":  # the engine kept FULL graphs (vLLM logs the fallback when it does not)
+    if mode == "compiled":  # the engine kept FULL graphs (vLLM logs the fallback when it does not)
         assert "declares UNIFORM_BATCH CUDA-graph support" in text
         assert "setting cudagraph_mode=PIECEWISE" not in text, "vLLM still fell back to PIECEWISE graphs"
+    if mode == "compiled-piecewise":
+        assert "setting cudagraph_mode=PIECEWISE" in text, "the control kept FULL graphs"
 
 
 def test_extract_path_with_async_scheduling_prompt_mode_only(model):

@@ -1,7 +1,7 @@
-"""The hook path's opt-in FULL CUDA graphs (``LAYERTAP_HOOK_FULL_GRAPHS=1``, engine.compat): the capture
+"""The hook path's FULL CUDA graphs (default; ``LAYERTAP_HOOK_FULL_GRAPHS=0`` turns them off, engine.compat): the capture
 layer's backend declares UNIFORM_BATCH graph support, and slot checks that a graph replay skipped run after
 the step against the slot mapping it used, or fail by name. (On the GPU: tests/gpu/test_gpu_capture.py's
-``compiled-full`` case; the CPU build runs no CUDA graphs.)"""
+``compiled`` and ``compiled-piecewise`` cases; the CPU build runs no CUDA graphs.)"""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ def test_backend_declares_uniform_batch_graphs():
 
 def test_env_switch(monkeypatch):
     monkeypatch.delenv(compat.FULL_GRAPHS_ENV, raising=False)
+    assert compat.hook_full_graphs()  # the default
+    monkeypatch.setenv(compat.FULL_GRAPHS_ENV, "0")
     assert not compat.hook_full_graphs()
     monkeypatch.setenv(compat.FULL_GRAPHS_ENV, "1")
     assert compat.hook_full_graphs()
