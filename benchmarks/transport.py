@@ -2,6 +2,7 @@
 
     python benchmarks/transport.py [--backends file,shm,mooncake] [--sizes-mb 1,16,64] [--checksum crc32]
     python benchmarks/transport.py compact          # bytes/token and reconstruction error per option
+    python benchmarks/transport.py per-record       # the shm pool's per-record Python costs (see per_record)
 
 A spawned producer puts ``count`` records of ``size`` bytes (fp32 hidden states, one record's tensors
 reused) through a real sink; this process consumes them through the backend's source (which verifies
@@ -151,9 +152,93 @@ def compact_report() -> None:
                   f"{rel:>9.2e} {float(diff.abs().max()):>11.3e}")
 
 
+# The per-record measurement, run in a child process against one checkout of layertap (``sys.argv[1]``: its
+# root), so two checkouts can be timed in interleaved rounds of one run. Only public transport calls.
+_PER_RECORD_CHILD = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import torch
+from layertap.records import token_digest
+from layertap.transport.shm import ShmTransport
+slots, n = int(sys.argv[2]), int(sys.argv[3])
+cfg = ShmTransport.prepare({"slot_bytes": 1 << 16, "num_slots": slots, "checksum": "none"})
+src, sink = ShmTransport.make_source(cfg), ShmTransport.make_sink(cfg, "bench")
+run_meta = {"model": "/tmp/layertap-cache/bench-0123456789ab", "config_hash": "0123456789abcdef",
+            "vllm_version": "0.25.1", "layer_semantics": "id i = residual stream entering decoder layer i "
+            "(hidden+residual); id 0 = embedding output; id num_hidden_layers = last layer output before the "
+            "final norm", "num_hidden_layers": 16, "hidden_size": 2048, "format_version": 1}
+ids = list(range(1024))
+digest = token_digest(ids)
+# 1024 rows, as a 1024-token prompt has; a narrow payload, so hundreds of slots fit in /dev/shm
+specs = {"token_ids": (torch.int64, (1024,)), "hidden_states": (torch.bfloat16, (1024, 4, 4))}
+t = {"producer": 0.0, "consumer": 0.0, "admission": 0.0}
+try:
+    for i in range(n + 50):
+        t0 = time.perf_counter()
+        meta = {**run_meta, "key": f"r-{i}", "index": i, "request_id": f"r-{i}-1-0123abcd", "mode": "prompt",
+                "run": "bench", "num_rows": 1024, "token_digest": digest, "layer_ids": [1, 8, 13, 16],
+                "dtype": "bfloat16"}
+        res = sink.reserve(f"r-{i}", specs, meta)
+        res.tensors["token_ids"].numpy()[:] = ids
+        res.commit()
+        t1 = time.perf_counter()
+        for rec in src.poll(0):
+            rec.release()
+        t2 = time.perf_counter()
+        src.free_capacity()
+        t3 = time.perf_counter()
+        if i >= 50:
+            t["producer"] += t1 - t0; t["consumer"] += t2 - t1; t["admission"] += t3 - t2
+finally:
+    src.close()
+print(json.dumps({k: v / n for k, v in t.items()}))
+"""
+
+
+def per_record(args) -> None:
+    """What one record costs in Python on each side of an shm pool of ``--slots`` slots (default 528, the
+    GPU capture benchmark's pool), no payload bytes moved: the producer's reserve + token fill + commit (the
+    engine's step thread pays it per record), the consumer's poll + deliver + release, and the Tap's
+    admission check (``free_capacity``, asked before every request it admits). ``--baseline-tree DIR``
+    (another checkout, e.g. ``git worktree add /tmp/base HEAD~1``) is timed in the same run, rounds
+    interleaved, each in a fresh process; ratio = this tree / baseline, median over rounds."""
+    import json
+    import subprocess
+
+    trees = {"this": str(Path(__file__).resolve().parents[1])}
+    if args.baseline_tree:
+        trees["baseline"] = str(Path(args.baseline_tree).resolve())
+    got: dict[str, list[dict]] = {k: [] for k in trees}
+    for rnd in range(args.rounds):
+        order = list(trees) if rnd % 2 == 0 else list(trees)[::-1]
+        for k in order:
+            r = subprocess.run([sys.executable, "-c", _PER_RECORD_CHILD, trees[k], str(args.slots), str(args.count)],
+                               capture_output=True, text=True, timeout=600)
+            if r.returncode != 0:
+                raise SystemExit(f"per-record child ({k}: {trees[k]}) failed:\n{r.stderr[-3000:]}")
+            got[k].append(json.loads(r.stdout.strip().splitlines()[-1]))
+    print(f"per-record Python costs of an shm pool of {args.slots} slots ({args.count} records per round, "
+          f"{args.rounds} rounds; median us per record)" + (f"; baseline {trees['baseline']}" if "baseline" in trees else ""))
+    print(f"{'what':40} {'this tree':>10} " + (f"{'baseline':>10} {'ratio [min-max]':>20}" if "baseline" in trees else ""))
+    for what, label in [("producer", "producer: reserve + token fill + commit"),
+                        ("consumer", "consumer: poll + deliver + release"),
+                        ("admission", "Tap's admission check (free_capacity)")]:
+        this = statistics.median(x[what] for x in got["this"])
+        line = f"{label:40} {this * 1e6:>10.1f} "
+        if "baseline" in got:
+            ratios = [a[what] / b[what] for a, b in zip(got["this"], got["baseline"])]
+            line += (f"{statistics.median(x[what] for x in got['baseline']) * 1e6:>10.1f} "
+                     f"{statistics.median(ratios):>8.3f} [{min(ratios):.2f}-{max(ratios):.2f}]")
+        print(line)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", default="throughput", choices=["throughput", "compact"])
+    p.add_argument("what", nargs="?", default="throughput", choices=["throughput", "compact", "per-record"])
+    p.add_argument("--slots", type=int, default=528, help="per-record: pool slots (default 528)")
+    p.add_argument("--count", type=int, default=2000, help="per-record: records / calls timed (default 2000)")
+    p.add_argument("--rounds", type=int, default=6, help="per-record: interleaved rounds (default 6)")
+    p.add_argument("--baseline-tree", default=None, help="per-record: another layertap checkout timed beside this one")
     p.add_argument("--backends", default="file,shm", help="comma-separated backends (default file,shm)")
     p.add_argument("--sizes-mb", default="1,16,64", help="record sizes in MiB (default 1,16,64)")
     p.add_argument("--checksum", default="crc32", choices=["crc32", "sum64", "none"],
@@ -161,7 +246,7 @@ def main() -> None:
     p.add_argument("--mooncake-master", default="127.0.0.1:50051", help="host:port of a running mooncake_master")
     p.add_argument("--tmp", default=None, help="directory for the file backend's dataset (default: system tmp)")
     args = p.parse_args()
-    throughput(args) if args.what == "throughput" else compact_report()
+    {"throughput": throughput, "compact": lambda _: compact_report(), "per-record": per_record}[args.what](args)
 
 
 if __name__ == "__main__":

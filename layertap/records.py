@@ -19,6 +19,7 @@ Row alignment:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -156,20 +157,31 @@ def _spec(t: torch.Tensor | TensorSpec) -> TensorSpec:
     return (t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else (t[0], tuple(t[1]))
 
 
+@functools.lru_cache(maxsize=64)
+def _json_key(name: str) -> str:
+    return json.dumps(name)
+
+
 def layout(tensors: dict[str, torch.Tensor | TensorSpec], meta: dict[str, Any]) -> tuple[bytes, dict[str, tuple[int, int]], int]:
     """The blob's prefix (length + header), each tensor's (start, nbytes) within the blob, and its total size.
 
     Takes tensors or bare ``(dtype, shape)`` specs, so a producer can lay a record out before its data
-    exists and have the data written straight into place (``transport.shm`` reservations)."""
-    hdr: dict[str, Any] = {"__metadata__": {"layertap": json.dumps(meta, sort_keys=True)}}
+    exists and have the data written straight into place (``transport.shm`` reservations).
+
+    Runs per record on the engine's step thread, so the header's JSON is written by hand (the same bytes
+    as ``json.dumps(header, separators=(",", ":"))``, checked in tests/unit/test_records.py), not through
+    a dict: about half the time."""
+    parts = ['{"__metadata__":{"layertap":', json.dumps(json.dumps(meta, sort_keys=True)), "}"]
     off, spans = 0, {}
     for name, t in tensors.items():
         dtype, shape = _spec(t)
         nbytes = math.prod(int(d) for d in shape) * dtype.itemsize  # per record on the engine's step: no numpy
-        hdr[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [off, off + nbytes]}
+        dims = ",".join(str(int(d)) for d in shape)
+        parts.append(f',{_json_key(name)}:{{"dtype":"{_NAMES[dtype]}","shape":[{dims}],"data_offsets":[{off},{off + nbytes}]}}')
         spans[name] = (off, nbytes)
         off += nbytes
-    raw = json.dumps(hdr, separators=(",", ":")).encode()
+    parts.append("}")
+    raw = "".join(parts).encode()
     raw += b" " * (-len(raw) % 8)  # 8-byte alignment of the data section, as safetensors does
     prefix = struct.pack("<Q", len(raw)) + raw
     base = len(prefix)

@@ -293,9 +293,9 @@ class Tap:
         stall_since: float | None = None
         last_progress = time.monotonic()
 
-        def admit() -> int:
+        def admit(finishing: int = 0) -> int:
             n = 0
-            while queue and self._can_admit(running + n, len(expect)):
+            while queue and self._can_admit(running + n, len(expect) + finishing):
                 it = queue.pop()
                 self._n_req += 1
                 rid = f"{self.run}-{it.index}-{self._n_req}"
@@ -319,6 +319,7 @@ class Tap:
                     if compat.engine_dead(self.llm):
                         raise _engine_died(expect, by_req, queue) from e
                     raise
+                finished = []
                 for out in outs:
                     if out.request_id in self._stale_requests:  # from an abandoned earlier iteration
                         if out.finished:
@@ -327,12 +328,14 @@ class Tap:
                     if not out.finished:
                         continue
                     running -= 1
-                    it = by_req.pop(out.request_id)
+                    finished.append((out, by_req.pop(out.request_id)))
+                # Refill before anything else (the finished requests' proofs, handing records out): the
+                # engine works on the next requests meanwhile (at 1 in flight it would otherwise sit idle).
+                # Their records count against the transport's room as if already expected.
+                running += admit(len(finished))
+                for out, it in finished:
                     expect.update(self._expected(out, it, mode))
                     last_progress = time.monotonic()
-                # Refill before handing records out: the engine works on the next requests while the
-                # caller consumes records (at 1 in flight it would otherwise sit idle meanwhile).
-                running += admit()
             elif expect and inproc:
                 # An in-process engine core steps only when called: the step that passes the last finished
                 # requests to the connector's save (generate mode) would otherwise never run.

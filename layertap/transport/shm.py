@@ -28,6 +28,7 @@ import uuid
 from multiprocessing import resource_tracker
 from typing import Any
 
+import numpy as np
 import torch
 
 from layertap.records import (
@@ -286,9 +287,9 @@ class ShmSource(Source):
             return []
         with self.pool.locked():
             self._last_seq = self.pool.commit_seq()
-            states = self.pool.states()  # state words only; whole entries of the slots that matter
-            taken = [self.pool.slot(i) for i, st in enumerate(states) if st == sp.COMMITTED]
-            self._pending = [i for i, st in enumerate(states) if st == sp.WRITING and self.pool.seq_of(i)]
+            states = self.pool.state_words()  # state words only; whole entries of the slots that matter
+            taken = [self.pool.slot(i) for i in np.flatnonzero(states == sp.COMMITTED).tolist()]
+            self._pending = [i for i in np.flatnonzero(states == sp.WRITING).tolist() if self.pool.seq_of(i)]
             for s in taken:
                 self.pool.set_slot(s.index, sp.READING, s.writer, s.span, s.seq, s.length, s.checksum)
         return sorted(taken, key=lambda s: s.seq)
@@ -298,9 +299,8 @@ class ShmSource(Source):
             return
         with self.pool.locked():
             self.pool.free(head)
-        for w in range(sp.MAX_WRITERS):  # wake writers blocked on a full pool
-            if self.pool.writer(w)[0] == sp.W_ACTIVE:
-                self.bell.ring(sp.writer_bell(self.name, w))
+        for w in self.pool.active_writers():  # wake writers blocked on a full pool
+            self.bell.ring(sp.writer_bell(self.name, w))
 
     def _to_record(self, s: sp.SlotInfo) -> Record:
         if s.key in self._seen:

@@ -281,14 +281,26 @@ class Pool:
         klen = len(key) if key is not None else _SLOT.unpack_from(self.mm, off)[3]
         _SLOT.pack_into(self.mm, off, state, writer, span, klen, seq, length, cks)
 
+    def state_words(self) -> np.ndarray:
+        """Every slot's state word, read in one strided copy (a few microseconds for hundreds of slots,
+        where a word-by-word read cost ~0.2 ms: the Tap asks for the free count before every admission)."""
+        stride = _SLOT_SIZE // 4
+        return np.frombuffer(self.mm, dtype="<u4", count=self.num_slots * stride, offset=_SLOTS_AT)[::stride].copy()
+
     def states(self) -> list[int]:
-        return [struct.unpack_from("<I", self.mm, _SLOTS_AT + i * _SLOT_SIZE)[0] for i in range(self.num_slots)]
+        return self.state_words().tolist()
+
+    def active_writers(self) -> list[int]:
+        """Indices of the writer entries in state ``W_ACTIVE`` (one strided read of the table)."""
+        stride = _WRITER_SIZE // 4
+        words = np.frombuffer(self.mm, dtype="<u4", count=MAX_WRITERS * stride, offset=_WRITERS_AT)[::stride]
+        return np.flatnonzero(words == W_ACTIVE).tolist()
 
     def seq_of(self, i: int) -> int:
         return struct.unpack_from("<Q", self.mm, _SLOTS_AT + i * _SLOT_SIZE + 16)[0]
 
     def free_slots(self) -> int:
-        return sum(1 for s in self.states() if s == FREE)
+        return int(np.count_nonzero(self.state_words() == FREE))
 
     def state_offset(self, head: int) -> int:
         """Byte offset of a slot's state word in the mapping (where a device commit writes)."""

@@ -357,3 +357,25 @@ def test_a_stopped_lock_holder_is_a_named_error_not_a_hang():
         holder.wait(10)
         pool.close()
         src.close()
+
+
+def test_vectorized_table_reads_match_word_by_word_reads():
+    """``state_words`` / ``free_slots`` / ``active_writers`` read the tables in strided numpy copies (the
+    Tap asks for the free count before every admission); they must agree with reading each entry."""
+    cfg = SHM.prepare({"slot_bytes": 64 << 10, "num_slots": 37, "checksum": "none"})
+    src = SHM.make_source(cfg)
+    try:
+        sinks = [SHM.make_sink(cfg, f"w{i}") for i in range(3)]
+        p = src.pool
+        heads = [p.claim(span, sinks[0].writer, b"k%d" % span) for span in (1, 3, 2)]
+        p.commit(heads[1], 10, 0)
+        sinks[1].close()
+        words = [p.slot(i).state for i in range(p.num_slots)]
+        assert p.states() == words and len(set(words)) >= 3  # FREE, WRITING, CONT, COMMITTED present
+        assert p.free_slots() == words.count(sp.FREE) == 37 - 6
+        want = [w for w in range(sp.MAX_WRITERS) if p.writer(w)[0] == sp.W_ACTIVE]
+        assert p.active_writers() == want and len(want) == 2
+        for s in (sinks[0], sinks[2]):
+            s.close()
+    finally:
+        src.close()

@@ -1,0 +1,53 @@
+"""The record blob's header (``records.layout``): written by hand for speed, it must stay the exact bytes a
+safetensors reader expects, i.e. ``json.dumps(header, separators=(",", ":"))`` of the header dict, and it
+must round-trip through ``serialize_into`` / ``deserialize``."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+from layertap.records import deserialize, layout, serialize_into, token_digest, _NAMES
+
+
+def _reference_prefix(tensors: dict, meta: dict) -> bytes:
+    hdr = {"__metadata__": {"layertap": json.dumps(meta, sort_keys=True)}}
+    off = 0
+    for name, (dtype, shape) in tensors.items():
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        hdr[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(hdr, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+@pytest.mark.parametrize("tensors", [
+    {"token_ids": (torch.int64, (1024,)), "hidden_states": (torch.bfloat16, (1024, 4, 2048))},
+    {"token_ids": (torch.int64, (0,)), "hidden_states": (torch.float32, (0, 3, 8)), "loss_mask": (torch.uint8, (0,))},
+    {},
+    {'odd "name"\\': (torch.uint8, ())},
+])
+def test_header_is_the_json_of_the_header_dict(tensors):
+    meta = {"key": 'r-"1"\\', "index": 3, "ü": [1, 2.5, None], "layer_ids": [1, 8], "nested": {"b": 1, "a": 2}}
+    prefix, spans, total = layout(tensors, meta)
+    assert prefix == _reference_prefix(tensors, meta)
+    assert len(prefix) % 8 == 0
+    assert total == len(prefix) + sum(n for _, n in spans.values())
+
+
+def test_blob_round_trips():
+    ids = torch.arange(7, dtype=torch.int64)
+    hs = torch.randn(7, 2, 5)
+    meta = {"key": "k", "token_digest": token_digest(ids), "layer_ids": [1, 2]}
+    tensors = {"token_ids": ids, "hidden_states": hs}
+    buf = bytearray(layout(tensors, meta)[2])
+    n = serialize_into(memoryview(buf), tensors, meta)
+    got, got_meta = deserialize(memoryview(buf)[:n])
+    assert torch.equal(got["token_ids"], ids) and torch.equal(got["hidden_states"], hs)
+    assert got_meta == meta
