@@ -366,8 +366,7 @@ def prepare_worker(runner: Any, vllm_config: Any) -> None:
     configured, and on the CPU build the seeded-sampling fix."""
     extra = extra_config(vllm_config) if vllm_config.kv_transfer_config is not None else {}
     if extra.get("capture_path", "hook") == "hook":
-        full = bool(extra["full_graphs"]) if extra.get("full_graphs") is not None else hook_full_graphs()
-        install_capture_hook(runner, vllm_config, full_graphs=full,
+        install_capture_hook(runner, vllm_config, full_graphs=wants_full_graphs(extra),
                              scatter=hook_scatter_mode(extra, torch.device(runner.device).type == "cuda"))
     if torch.device(runner.device).type == "cpu":
         install_cpu_seed_rewind(runner)
@@ -426,6 +425,20 @@ instead (``step_slot_mapping``). Measured on the H200 (2026-12-02, ``benchmarks/
 
 def hook_full_graphs() -> bool:
     return os.environ.get(FULL_GRAPHS_ENV, "1") != "0"
+
+
+def wants_full_graphs(extra: dict[str, Any]) -> bool:
+    """Whether the hook path asks for FULL graphs: the connector option, else the environment."""
+    return bool(extra["full_graphs"]) if extra.get("full_graphs") is not None else hook_full_graphs()
+
+
+def decode_graph_mode(vllm_config: Any) -> str | None:
+    """The CUDA-graph mode vLLM settled on for decode steps (``FULL``, ``PIECEWISE`` or ``NONE``), once the
+    KV cache is initialized: vLLM 0.25 resolves ``compilation_config.cudagraph_mode`` against the attention
+    backends' graph support before it hands the caches to the connector. ``None`` where unreadable."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    decode = getattr(mode, "decode_mode", None)
+    return getattr(decode(), "name", None) if callable(decode) else None
 
 
 def graphable_cache_only_backend() -> type:

@@ -36,6 +36,7 @@ class WorkerSide:
 
     def __init__(self, c: Any, vllm_config: Any):
         self.c = c
+        self.vllm_config = vllm_config
         self.hidden = compat.hidden_size(vllm_config)
         self.n_layers = compat.num_layers(vllm_config)
         self.run_meta = dict(c._extra.get("run_meta", {}))
@@ -110,6 +111,15 @@ class WorkerSide:
         for lid in self.c._layer_ids:
             if not 0 <= lid <= self.n_layers:
                 raise CacheLayoutError(f"layer id {lid} outside 0..{self.n_layers}")
+        if view.is_cuda and self.c._extra.get("capture_path", "hook") == "hook":
+            mode = compat.decode_graph_mode(self.vllm_config)
+            if compat.wants_full_graphs(self.c._extra) and mode == "PIECEWISE":
+                # loud: every decode step then launches each attention layer eagerly (half the serving
+                # throughput on the H200, RESULTS.md 2026-12-02); vLLM's log says which backend refused
+                compat.wlog.warning("layertap hook: FULL CUDA graphs were asked for, but vLLM runs decode steps "
+                                    "with PIECEWISE graphs (an attention backend without graph support?)")
+            else:
+                compat.wlog.info("layertap hook: decode steps run with %s CUDA graphs", mode)
         if self.rank0 and not self.skip_reads:
             writer_id = f"{socket.gethostname()}-{os.getpid()}"
             self.sink = get_transport(self.transport_cfg["backend"]).make_sink(self.transport_cfg, writer_id)

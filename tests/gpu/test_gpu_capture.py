@@ -84,8 +84,10 @@ def test_capture_matches_hf_in_bf16(model, mode, capfd):
     if mode == "compiled":  # the engine kept FULL graphs (vLLM logs the fallback when it does not)
         assert "declares UNIFORM_BATCH CUDA-graph support" in text
         assert "setting cudagraph_mode=PIECEWISE" not in text, "vLLM still fell back to PIECEWISE graphs"
+        assert "decode steps run with FULL CUDA graphs" in text  # the connector's own start-up report
     if mode == "compiled-piecewise":
         assert "setting cudagraph_mode=PIECEWISE" in text, "the control kept FULL graphs"
+        assert "decode steps run with PIECEWISE CUDA graphs" in text
 
 
 def test_extract_path_with_async_scheduling_prompt_mode_only(model):

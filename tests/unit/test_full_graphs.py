@@ -74,3 +74,20 @@ def test_step_slot_mapping_reads_the_runners_buffer(monkeypatch):
     assert compat.step_slot_mapping("other", 3) is None
     monkeypatch.setattr(compat, "_RUNNER", [lambda: SimpleNamespace()])  # a runner that keeps no buffer: None
     assert compat.step_slot_mapping("cap", 3) is None
+
+
+def test_decode_graph_mode_reads_vllms_resolved_mode(monkeypatch):
+    from vllm.config import CUDAGraphMode
+
+    def cfg(mode):
+        return SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=mode))
+
+    assert compat.decode_graph_mode(cfg(CUDAGraphMode.FULL_AND_PIECEWISE)) == "FULL"
+    assert compat.decode_graph_mode(cfg(CUDAGraphMode.PIECEWISE)) == "PIECEWISE"
+    assert compat.decode_graph_mode(cfg(CUDAGraphMode.NONE)) == "NONE"
+    assert compat.decode_graph_mode(SimpleNamespace()) is None
+    # the option wins over the environment
+    monkeypatch.setenv(compat.FULL_GRAPHS_ENV, "0")
+    assert compat.wants_full_graphs({"full_graphs": True}) and not compat.wants_full_graphs({})
+    monkeypatch.setenv(compat.FULL_GRAPHS_ENV, "1")
+    assert not compat.wants_full_graphs({"full_graphs": False}) and compat.wants_full_graphs({"full_graphs": None})
