@@ -170,7 +170,7 @@ def layout(tensors: dict[str, torch.Tensor | TensorSpec], meta: dict[str, Any]) 
 
     Runs per record on the engine's step thread, so the header's JSON is written by hand (the same bytes
     as ``json.dumps(header, separators=(",", ":"))``, checked in tests/unit/test_records.py), not through
-    a dict: about half the time."""
+    a dict: about a third less time (16 against 23 us on the 2-core box)."""
     parts = ['{"__metadata__":{"layertap":', json.dumps(json.dumps(meta, sort_keys=True)), "}"]
     off, spans = 0, {}
     for name, t in tensors.items():
