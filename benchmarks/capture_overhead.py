@@ -20,10 +20,6 @@ Variants (``--variants``; the ratio column is ``capture`` over ``plain``, the ot
     capture-piecewise  capture with vLLM's fallback to PIECEWISE CUDA graphs (connector option
                        full_graphs=False; the default keeps FULL graphs for decode batches); prefill-only
                        rounds run piecewise either way, so it shows in decode-heavy serving
-    floor-legacy       floor with the hook of before 2026-12-02 (rows scattered with ~9 torch calls per forward,
-                       not vLLM's cache-write kernel; vLLM's wrapper calling the connector around every
-                       attention layer on every step): what those two cuts buy the floor
-    capture-legacy     capture with the same legacy hook
     floor-extract      as floor, through vLLM's extract_hidden_states (capture_path="extract")
     capture-extract    capture through extract_hidden_states (synchronous scheduling on vLLM 0.25/CUDA)
 
@@ -213,7 +209,7 @@ class Plain:
 class Floor(Plain):
     """The capture path's engine + the connector, which reports every save done without reading a row."""
 
-    def __init__(self, model, data, args, path: str = "hook", options: dict | None = None, **extra):
+    def __init__(self, model, data, args, path: str = "hook", **extra):
         from vllm import LLM
 
         from layertap.engine import compat, launch
@@ -223,7 +219,7 @@ class Floor(Plain):
         v = compat.check_version()
         kw = {**compat.engine_defaults(v, torch.cuda.is_available(), {}, path), **engine_kwargs(args)}
         conn = {"transport": {"backend": "shm"}, "run_meta": {}, "skip_reads": True, "capture_path": path,
-                "layer_ids": list(args.layers), **(options or {})}
+                "layer_ids": list(args.layers)}
         with launch.engine_env_set(launch.engine_env(torch.cuda.is_available(), kw)):
             self.llm = LLM(model=str(model), **launch.engine_capture_kwargs(path, args.layers, kw),
                            kv_transfer_config=launch.kv_transfer_config(conn), **kw, **extra)
@@ -305,10 +301,6 @@ def profiler_kwargs(args, variant: str) -> dict:
                                               torch_profiler_use_gzip=True, torch_profiler_record_shapes=False)}
 
 
-# The hook path as it was before 2026-12-02: rows scattered with nine torch calls per forward, and vLLM's
-# wrapper calling the connector around every attention layer on every step.
-LEGACY_HOOK = {"hook_scatter": "torch", "quiet_layers": False}
-
 VARIANTS = {
     "plain": lambda m, d, a: Plain(m, d, a, **profiler_kwargs(a, "plain")),
     "floor": lambda m, d, a: Floor(m, d, a, **profiler_kwargs(a, "floor")),
@@ -317,9 +309,6 @@ VARIANTS = {
                                                   **profiler_kwargs(a, "capture-hostcommit")),
     "capture-piecewise": lambda m, d, a: Capture(m, d, a, connector_options={"full_graphs": False},
                                                  **profiler_kwargs(a, "capture-piecewise")),
-    "floor-legacy": lambda m, d, a: Floor(m, d, a, options=LEGACY_HOOK, **profiler_kwargs(a, "floor-legacy")),
-    "capture-legacy": lambda m, d, a: Capture(m, d, a, connector_options=LEGACY_HOOK,
-                                              **profiler_kwargs(a, "capture-legacy")),
     "floor-extract": lambda m, d, a: Floor(m, d, a, path="extract", **profiler_kwargs(a, "floor-extract")),
     "capture-extract": lambda m, d, a: Capture(m, d, a, capture_path="extract", **profiler_kwargs(a, "capture-extract")),
 }

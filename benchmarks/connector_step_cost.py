@@ -124,7 +124,7 @@ def parse(argv):
                     help="also cProfile these variants' steps (comma-separated)")
     ap.add_argument("--profile-top", type=int, default=40)
     ap.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
-                    help="comma-separated capture_overhead variants, plain first (e.g. plain,floor,floor-legacy)")
+                    help="comma-separated capture_overhead variants, plain first (e.g. plain,floor,capture-piecewise)")
     a = ap.parse_args(argv)
     if a.variants[:1] != ["plain"] or any(v not in co.VARIANTS for v in a.variants):
         raise SystemExit(f"--variants must start with plain and name variants of {list(co.VARIANTS)}")

@@ -119,7 +119,7 @@ def _clone(rec):
 # stdin is one JSON argument list; when a run ends it writes its exit status (and error) to the file named
 # by the list's last element.
 _BENCH_WORKER = """
-import json, sys, traceback
+import json, os, sys, traceback
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.benchmarks.serve import add_cli_args, main
 for line in sys.stdin:
@@ -132,7 +132,7 @@ for line in sys.stdin:
     print(f"layertap bench worker: run ended, status {rc}", flush=True)
     with open(done + ".tmp", "w") as f:
         json.dump({"rc": rc, "error": err[-3000:]}, f)
-    import os; os.replace(done + ".tmp", done)
+    os.replace(done + ".tmp", done)
 """
 
 

@@ -6,8 +6,8 @@
 #   bash scripts/gpu_check.sh tests   # CUDA capture correctness (eager + compiled, bf16 vs HF), stream
 #                                      # safety, layer-0 bug detection, tensor parallel 2 if 2 GPUs
 #   bash scripts/gpu_check.sh bench   # capture overhead (hidden 2048, 16 layers, 1..256 in flight; plain,
-#                                      # capture, capture-legacy, floor and floor-legacy engines side by side
-#                                      # (the -legacy ones: the hook before its scatter and per-layer cuts),
+#                                      # capture and floor engines side by side (floor: the hook engine reading
+#                                      # no rows, which splits the gap into engine and record path),
 #                                      # BENCH_REPEATS (3) interleaved rounds; BENCH_VARIANTS=... picks others (see
 #                                      # the benchmark docstring)); then a torch-profiler trace of every engine
 #                                      # at 1 and 4 in flight (PROFILE_INFLIGHT; SKIP_PROFILE=1: none),
@@ -62,7 +62,7 @@ bench_args="--hidden 2048 --num-layers 16 --head-dim 128 --vocab 2048 --prompts 
 if [ "$phase" = bench ] || [ "$phase" = all ]; then
   CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} python3 benchmarks/capture_overhead.py $bench_args \
     --batch-sizes ${BENCH_BATCH_SIZES:-1,4,16,64,256} \
-    --variants ${BENCH_VARIANTS:-plain,capture,capture-legacy,floor,floor-legacy} --repeats ${BENCH_REPEATS:-3} ${BENCH_ARGS:-} \
+    --variants ${BENCH_VARIANTS:-plain,capture,floor} --repeats ${BENCH_REPEATS:-3} ${BENCH_ARGS:-} \
     $( [ -z "${SKIP_PROFILE:-}" ] && echo "--profile-dir /tmp/lt-profile --profile-inflight ${PROFILE_INFLIGHT:-1,4}" ) \
     --json "$OUT/capture_overhead.json" > "$OUT/capture_overhead.log" 2>&1
   rc=$(( rc | $? ))

@@ -287,9 +287,6 @@ class Pool:
         stride = _SLOT_SIZE // 4
         return np.frombuffer(self.mm, dtype="<u4", count=self.num_slots * stride, offset=_SLOTS_AT)[::stride].copy()
 
-    def states(self) -> list[int]:
-        return self.state_words().tolist()
-
     def active_writers(self) -> list[int]:
         """Indices of the writer entries in state ``W_ACTIVE`` (one strided read of the table)."""
         stride = _WRITER_SIZE // 4

@@ -371,7 +371,7 @@ def test_vectorized_table_reads_match_word_by_word_reads():
         p.commit(heads[1], 10, 0)
         sinks[1].close()
         words = [p.slot(i).state for i in range(p.num_slots)]
-        assert p.states() == words and len(set(words)) >= 3  # FREE, WRITING, CONT, COMMITTED present
+        assert p.state_words().tolist() == words and len(set(words)) >= 3  # FREE, WRITING, CONT, COMMITTED present
         assert p.free_slots() == words.count(sp.FREE) == 37 - 6
         want = [w for w in range(sp.MAX_WRITERS) if p.writer(w)[0] == sp.W_ACTIVE]
         assert p.active_writers() == want and len(want) == 2
