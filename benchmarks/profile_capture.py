@@ -24,10 +24,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def summarize(path: Path, top: int = 12) -> str:
-    """Per (process, thread): sample count and the most common frames just below the thread's root."""
+def _site(frame: str) -> str:
+    """``func (path/to/file.py:123)`` -> ``func (file.py)``: one name per function, whatever line it is on."""
+    name, _, where = frame.partition(" (")
+    return f"{name} ({where.rsplit('/', 1)[-1].split(':')[0].rstrip(')')})" if where else name
+
+
+def summarize(path: Path, top: int = 12, inclusive_top: int = 40) -> str:
+    """Per (process, thread): sample count, the most common innermost frames, and the functions with the
+    largest inclusive share (a function counted once per sample it is anywhere on the stack of)."""
     per_thread: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     ours: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    inclusive: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)  # once per sample
     for line in path.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
         frames = stack.split(";")
@@ -36,6 +44,8 @@ def summarize(path: Path, top: int = 12) -> str:
         key = f"{procs[-1][:60] if procs else 'process ?'} | {thread[:40]}"
         body = [f.split(" (")[0] for f in frames if not f.startswith(("process ", "thread "))]
         per_thread[key][" ; ".join(body[-2:]) or "-"] += int(n)
+        for f in {_site(f) for f in frames if not f.startswith(("process ", "thread "))}:
+            inclusive[key][f] += int(n)
         mine = [f for f in body if "Layertap" in f or "WorkerSide" in f or "Tap." in f or "capture_hook" in f]
         if mine:
             ours[key][mine[-1]] += int(n)
@@ -44,6 +54,9 @@ def summarize(path: Path, top: int = 12) -> str:
         total = sum(c.values())
         out.append(f"{key}: {total} samples")
         out += [f"    {v / total:6.1%}  {k[:150]}" for k, v in c.most_common(top)]
+        if inclusive_top:  # where a thread's time goes, callers included: a diff of two variants reads off these
+            out.append("    inclusive: " + "; ".join(f"{k[:70]} {v / total:.1%}"
+                                                     for k, v in inclusive[key].most_common(inclusive_top)))
         if ours.get(key):
             out.append("    layertap frames: " + ", ".join(f"{k} {v / total:.1%}" for k, v in ours[key].most_common(6)))
     return "\n".join(out)

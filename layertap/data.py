@@ -93,8 +93,9 @@ def conversation_tokens(tokenizer, messages: list[dict[str, str]], where: str = 
     return ids, mask
 
 
-def to_item(obj: Any, index: int, tokenizer, where: str | None = None) -> InputItem:
-    """One input (dict, str, token list or message list) -> ``InputItem``."""
+def to_item(obj: Any, index: int, tokenizer, where: str | None = None, *, vocab_limit: int | None = None) -> InputItem:
+    """One input (dict, str, token list or message list) -> ``InputItem``. ``vocab_limit``: the tokenizer's
+    ``_vocab_limit``, when the caller converts many inputs (asked once, not per input)."""
     where = where or f"input {index}"
     if isinstance(obj, InputItem):  # already tokenized and checked (e.g. by the CLI, before the engine)
         return obj
@@ -115,7 +116,9 @@ def to_item(obj: Any, index: int, tokenizer, where: str | None = None) -> InputI
         item = InputItem(index, ids, mask, msgs)
     elif "token_ids" in obj:
         ids = obj["token_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        # exactly int (not bool, not numpy ints), checked by C loops: this runs for every input before the
+        # first request is admitted, so its cost is engine idle time at the start of every capture call
+        if not isinstance(ids, list) or (ids and set(map(type, ids)) != {int}):
             raise InputError(f"{where}: 'token_ids' must be a list of ints")
         item = InputItem(index, list(ids))
     elif "prompt" in obj:
@@ -126,13 +129,17 @@ def to_item(obj: Any, index: int, tokenizer, where: str | None = None) -> InputI
         raise InputError(f"{where}: expected a key 'prompt', 'messages', 'conversations' or 'token_ids'; got {sorted(obj)}")
     if not item.token_ids:
         raise InputError(f"{where}: empty prompt (no tokens)")
-    vocab = getattr(tokenizer, "vocab_size", None)
-    if vocab is not None:
-        limit = max(vocab, len(tokenizer))
+    limit = vocab_limit if vocab_limit is not None else _vocab_limit(tokenizer)
+    if limit is not None and (min(item.token_ids) < 0 or max(item.token_ids) >= limit):
         bad = [t for t in item.token_ids if t < 0 or t >= limit]
-        if bad:
-            raise InputError(f"{where}: token ids {bad[:5]} are outside the vocabulary (size {limit})")
+        raise InputError(f"{where}: token ids {bad[:5]} are outside the vocabulary (size {limit})")
     return item
+
+
+def _vocab_limit(tokenizer) -> int | None:
+    """One past the largest valid token id (added tokens included), or ``None`` if the tokenizer says not."""
+    vocab = getattr(tokenizer, "vocab_size", None)
+    return None if vocab is None else max(vocab, len(tokenizer))
 
 
 def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
@@ -152,8 +159,9 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
 
 def load_inputs(source: str | os.PathLike | Sequence[Any] | Iterable[Any], tokenizer) -> list[InputItem]:
     """All inputs, tokenized and checked up front, so bad input fails before any engine work."""
+    limit = _vocab_limit(tokenizer)
     if isinstance(source, (str, os.PathLike)) and str(source).endswith((".jsonl", ".json")):
-        return [to_item(obj, n, tokenizer, f"{source}:{n + 1}") for n, obj in read_jsonl(source)]
+        return [to_item(obj, n, tokenizer, f"{source}:{n + 1}", vocab_limit=limit) for n, obj in read_jsonl(source)]
     if isinstance(source, (str, bytes)):
         source = [source]
-    return [to_item(obj, n, tokenizer) for n, obj in enumerate(source)]
+    return [to_item(obj, n, tokenizer, vocab_limit=limit) for n, obj in enumerate(source)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from layertap.engine import compat
@@ -23,7 +24,7 @@ class SaveJob:
     req_id: str
     key: str
     block_ids: list[int]
-    token_ids: list[int]
+    token_ids: np.ndarray  # int64, converted once in the scheduler: the digest and the record's field read it
     num_rows: int
     meta: dict[str, Any]
     release: bool = True  # report the blocks free once read (False: a prompt saved before its request ends)
@@ -119,15 +120,19 @@ class SchedulerSide:
     def _job(self, rid: str, params: dict, mode: str, token_ids: list[int], n_prompt: int,
              next_token: int | None, block_ids: list[int]) -> SaveJob:
         n_rows = len(token_ids)
+        # One conversion of the token list per record, on the engine's step: the digest hashes this array
+        # and the worker copies it into the record as is (converting the list twice cost ~3% of a
+        # CPU-bound engine's step time at 256 requests in flight, profiled on the H200).
+        ids = np.fromiter(token_ids, dtype=np.int64, count=n_rows)
         key = f"{params.get('run', 'run')}:{rid}"
         meta = {
             "key": key, "request_id": rid, "index": int(params.get("index", -1)), "mode": mode,
             "layer_ids": self.c._layer_ids, "num_tokens": n_rows, "num_prompt_tokens": min(n_prompt, n_rows),
-            "token_digest": token_digest(token_ids), "layer_semantics": LAYER_SEMANTICS,
+            "token_digest": token_digest(ids), "layer_semantics": LAYER_SEMANTICS,
             "next_token_id": next_token, "cache_group": self.c._group_desc,
             **{k: v for k, v in params.items() if k in ("sample", "run", "loss_spans")},
         }
-        return SaveJob(rid, key, block_ids, token_ids, n_rows, meta)
+        return SaveJob(rid, key, block_ids, ids, n_rows, meta)
 
     def finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         rid = request.request_id

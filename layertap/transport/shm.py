@@ -71,6 +71,7 @@ class ShmSink(Sink):
         self.bell = sp.Doorbell(sp.writer_bell(self.name, self.writer))
         self.writer_id = writer_id
         self._next_consumer_check = 0.0
+        self._commit_targets: dict[int, torch.Tensor] = {}  # slot -> view of its state word (device commits)
         self.waits = 0
         """How many puts had to wait for a free slot (backpressure observed by this sink)."""
 
@@ -173,20 +174,26 @@ class ShmSink(Sink):
         if head is None:
             return None
         try:
-            view = self.pool.data(head, span)
-            view[: len(prefix)] = prefix
+            # Per record on the engine's step thread: one torch call per tensor (a typed view of the mapping
+            # at the slot's offset), and the slot's commit-word view made once per slot, not per record.
+            base = self.pool.data_off + head * self.pool.slot_bytes
+            self.pool.mm[base : base + len(prefix)] = prefix
             tensors = {}
             for name, spec in specs.items():
                 dtype, shape = (spec.dtype, tuple(spec.shape)) if isinstance(spec, torch.Tensor) else spec
                 pos, nbytes = spans[name]
                 if nbytes:
-                    tensors[name] = torch.frombuffer(view[pos : pos + nbytes], dtype=torch.uint8).view(dtype).reshape(shape)
+                    tensors[name] = torch.frombuffer(self.pool.mm, dtype=dtype, count=nbytes // dtype.itemsize,
+                                                     offset=base + pos).view(shape)
                 else:
                     tensors[name] = torch.empty(shape, dtype=dtype)
             target = None
             if device_commit:
-                off = self.pool.state_offset(head)
-                target = torch.frombuffer(memoryview(self.pool.mm)[off : off + 4], dtype=torch.int32)
+                target = self._commit_targets.get(head)
+                if target is None:
+                    target = torch.frombuffer(self.pool.mm, dtype=torch.int32, count=1,
+                                              offset=self.pool.state_offset(head))
+                    self._commit_targets[head] = target
         except BaseException:
             with self.pool.locked():
                 self.pool.free(head)
@@ -212,6 +219,7 @@ class ShmSink(Sink):
         with self.pool.locked():
             state, pid, start, name = self.pool.writer(self.writer)
             self.pool.set_writer(self.writer, sp.W_CLOSED, pid, start, name)
+        self._commit_targets.clear()  # views of the mapping: dropped so it can be unmapped
         self.pool.close()
         self.bell.close()
 

@@ -54,10 +54,13 @@ def test_malformed_jsonl_names_the_line(tmp_path, model):
     ({"prompt": ""}, "empty prompt"),
     ({"token_ids": []}, "empty prompt"),
     ({"token_ids": [1, "x"]}, "must be a list of ints"),
+    ({"token_ids": [1, True, 3]}, "must be a list of ints"),
+    ({"token_ids": [1, 2.0]}, "must be a list of ints"),
     ({"messages": []}, "non-empty list"),
     ({"messages": [{"role": "user"}]}, "'role' and 'content'"),
     ({"text": "hi"}, "expected a key 'prompt'"),
     ({"token_ids": [5, 999999]}, "outside the vocabulary"),
+    ({"token_ids": [5, -1, 7]}, r"token ids \[-1\] are outside the vocabulary"),
     ({"conversations": [{"from": "alien", "value": "x"}]}, "unknown ShareGPT role"),
 ])
 def test_bad_records_name_the_problem(tmp_path, model, obj, msg):

@@ -4,6 +4,8 @@ check every record against HF)."""
 
 from types import SimpleNamespace as NS
 
+import numpy as np
+
 from layertap.engine.saves import PARAMS_KEY, SchedulerSide
 
 
@@ -39,7 +41,7 @@ def test_prompt_mode_is_saved_in_the_step_that_completes_the_prompt():
     m2 = s.build_meta(out(cached=[("a", ([5],), 100, 0)], sched={"a": 50}))  # last chunk
     assert [j.req_id for j in m2.saves] == ["a"]
     job = m2.saves[0]
-    assert job.release is False and job.token_ids == PROMPT and job.num_rows == 150 and job.block_ids == [3, 4, 5]
+    assert job.release is False and job.token_ids.tolist() == PROMPT and job.token_ids.dtype == np.int64 and job.num_rows == 150 and job.block_ids == [3, 4, 5]
     # async scheduling may schedule it once more before it is known finished: no second save
     assert s.build_meta(out(cached=[("a", None, 150, 1)], sched={"a": 1})).saves == []
     hold, params = s.finished(request("a", PROMPT, [9]), [3, 4, 5])
@@ -55,7 +57,7 @@ def test_generate_mode_waits_for_the_finished_request():
     hold, params = s.finished(request("g", PROMPT, [9, 10, 11]), [1, 2])
     assert hold is True and params[PARAMS_KEY]["num_rows"] == 152
     (job,) = s.build_meta(out()).saves
-    assert job.release is True and job.token_ids == PROMPT + [9, 10] and job.meta["next_token_id"] == 11
+    assert job.release is True and job.token_ids.tolist() == PROMPT + [9, 10] and job.meta["next_token_id"] == 11
 
 
 def test_extract_path_saves_after_the_request_finishes():
