@@ -5,6 +5,7 @@
 #                                      # start-up watchdog (START_TIMEOUT, 240 s), times + hang reports
 #   bash scripts/gpu_check.sh tests   # CUDA capture correctness (eager + compiled, bf16 vs HF), stream
 #                                      # safety, layer-0 bug detection, tensor parallel 2 if 2 GPUs
+#                                      # (GPU_TEST_K="...": a pytest -k expression, spaces and all)
 #   bash scripts/gpu_check.sh bench   # capture overhead (hidden 2048, 16 layers, 1..256 in flight; plain,
 #                                      # capture and floor engines side by side (floor: the hook engine reading
 #                                      # no rows, which splits the gap into engine and record path),
@@ -55,7 +56,7 @@ if [ "$phase" = startup ]; then  # first thing on a bare machine: engine starts 
   rc=${PIPESTATUS[0]}
 fi
 if [ "$phase" = tests ] || [ "$phase" = all ]; then
-  python3 -m pytest -q -p no:cacheprovider -s tests/gpu ${GPU_TEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|^(APIServer" | tail -60
+  python3 -m pytest -q -p no:cacheprovider -s tests/gpu ${GPU_TEST_ARGS:-} ${GPU_TEST_K:+-k "$GPU_TEST_K"} 2>&1 | tee "$OUT/gpu_tests.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|^(APIServer" | tail -60
   rc=${PIPESTATUS[0]}
 fi
 bench_args="--hidden 2048 --num-layers 16 --head-dim 128 --vocab 2048 --prompts 256 --prompt-len 1024 --dtype bfloat16 $bench_transport"
