@@ -18,8 +18,9 @@
 #                                      # speculative decoding, report (benchmarks/gpu_loop.py; exit 75: call again)
 #   bash scripts/gpu_check.sh serve   # layertap serve --capture-all vs vllm serve, all under `vllm bench serve`
 #                                      # (512 in / 256 out, concurrency 1,16,64; needs .gpubundle/serve wheels;
-#                                      # SERVE_VARIANTS (plain,capture,capture-piecewise: the last lets vLLM fall
-#                                      # back to PIECEWISE graphs), side by side, SERVE_ROUNDS (2) interleaved rounds;
+#                                      # SERVE_VARIANTS (plain,capture; add capture-piecewise to see vLLM's
+#                                      # PIECEWISE fallback, settled in RESULTS 2026-12-02), side by side,
+#                                      # SERVE_ROUNDS (3) interleaved rounds;
 #                                      # SERVE_DEADLINE: no round starts that would end past it, s from the
 #                                      # benchmark's start; leave ~60 s for the HF check after the rounds)
 #   bash scripts/gpu_check.sh profile     # py-spy over PROFILE_VARIANTS (plain capture) at PROFILE_INFLIGHT (1):
@@ -93,8 +94,8 @@ if [ "$phase" = serve ]; then  # layertap serve --capture-all vs vllm serve unde
   rc=${PIPESTATUS[0]}
   if [ "$rc" = 0 ]; then
     python3 benchmarks/serve_overhead.py --hidden 2048 --num-layers 16 --head-dim 128 --vocab 2048 --dtype bfloat16 \
-      --input-len 512 --output-len 256 --concurrency ${SERVE_CONCURRENCY:-1,16,64} --rounds ${SERVE_ROUNDS:-2} \
-      --variants ${SERVE_VARIANTS:-plain,capture,capture-piecewise} --log-dir "$OUT/serve-logs" \
+      --input-len 512 --output-len 256 --concurrency ${SERVE_CONCURRENCY:-1,16,64} --rounds ${SERVE_ROUNDS:-3} \
+      --variants ${SERVE_VARIANTS:-plain,capture} --log-dir "$OUT/serve-logs" \
       $( [ -n "${SERVE_DEADLINE:-}" ] && echo "--deadline-s $SERVE_DEADLINE" ) ${SERVE_ARGS:-} \
       --json "$OUT/serve_overhead.json" > "$OUT/serve_overhead.log" 2>&1
     rc=$?
