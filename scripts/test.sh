@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
-exec python -m pytest -q -p no:cacheprovider -m "not gpu" "$@" tests
+exec python -m pytest -q -p no:cacheprovider -m "not gpu" --durations=15 "$@" tests
