@@ -42,9 +42,10 @@ def summarize(path: Path, top: int = 12, inclusive_top: int = 40) -> str:
         procs = [f for f in frames if f.startswith("process ")]
         thread = next((f for f in frames if f.startswith("thread ")), "thread ?")
         key = f"{procs[-1][:60] if procs else 'process ?'} | {thread[:40]}"
-        body = [f.split(" (")[0] for f in frames if not f.startswith(("process ", "thread "))]
+        code = [f for f in frames if not f.startswith(("process ", "thread "))]
+        body = [f.split(" (")[0] for f in code]
         per_thread[key][" ; ".join(body[-2:]) or "-"] += int(n)
-        for f in {_site(f) for f in frames if not f.startswith(("process ", "thread "))}:
+        for f in set(map(_site, code)):
             inclusive[key][f] += int(n)
         mine = [f for f in body if "Layertap" in f or "WorkerSide" in f or "Tap." in f or "capture_hook" in f]
         if mine:

@@ -176,7 +176,7 @@ class ShmSink(Sink):
         try:
             # Per record on the engine's step thread: one torch call per tensor (a typed view of the mapping
             # at the slot's offset), and the slot's commit-word view made once per slot, not per record.
-            base = self.pool.data_off + head * self.pool.slot_bytes
+            base = self.pool.data_offset(head)
             self.pool.mm[base : base + len(prefix)] = prefix
             tensors = {}
             for name, spec in specs.items():

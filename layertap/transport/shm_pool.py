@@ -349,8 +349,12 @@ class Pool:
         for j in range(head, head + span):
             self.set_slot(j, FREE)
 
+    def data_offset(self, head: int) -> int:
+        """Byte offset of a slot's data in the mapping."""
+        return self.data_off + head * self.slot_bytes
+
     def data(self, head: int, span: int) -> memoryview:
-        start = self.data_off + head * self.slot_bytes
+        start = self.data_offset(head)
         return memoryview(self.mm)[start : start + span * self.slot_bytes]
 
     def close(self) -> None:
