@@ -11,7 +11,7 @@
 #                                     $HOME/vllm-bundle/ && bash .gpubundle/install-on-device.sh && bash scripts/gpu_loop.sh
 #   calls 3..: bash scripts/gpu_loop.sh          (until it exits 0)
 # Results in $OUT (or ./gpu-results): gpu_loop.json, gpu_loop.md, gpu_loop.png, gpu_loop.log, gpu_loop_logs.tar.gz.
-# Settings: PROFILE (h200), WORK (/tmp/gpu_loop), DEADLINE_S (575); extra arguments go to the script.
+# Settings: PROFILE (h200), WORK (/tmp/gpu_loop), DEADLINE_S (575; none: no deadline); extra arguments go to the script.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-results}
@@ -23,5 +23,7 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false VLLM_NO_USAGE_
 shm_gb=$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)
 [ "${shm_gb:-0}" -lt 8 ] && mount -o remount,size=32G /dev/shm 2>/dev/null
 { date -u; nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader; df -h /dev/shm /tmp | tail -2; } 2>&1
+deadline=(--deadline-s "${DEADLINE_S:-575}")
+[ "${DEADLINE_S:-}" = none ] && deadline=()  # one uninterrupted run (scripts/gpu_loop_bg.sh)
 exec python3 benchmarks/gpu_loop.py --profile "${PROFILE:-h200}" --work "${WORK:-/tmp/gpu_loop}" --out "$OUT" \
-  --deadline-s "${DEADLINE_S:-575}" "$@"
+  "${deadline[@]}" "$@"
