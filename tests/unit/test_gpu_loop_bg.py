@@ -1,0 +1,64 @@
+"""scripts/gpu_loop_bg.sh: the loop started in its own process session outlives the call that started it,
+waits for vLLM's install marker before the stages that need it, and `wait` reports 75 while it runs, then the
+loop's own status, with the results copied out. Real processes; the cpu-tiny profile's report stage stands
+in for the loop's stages (it needs no engine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "gpu_loop_bg.sh"
+
+
+def _run(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_detached_loop_waits_for_install_and_reports(tmp_path: Path) -> None:
+    home, bg, out = tmp_path / "home", tmp_path / "bg", tmp_path / "out"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home), "BG_DIR": str(bg), "OUT": str(out), "PROFILE": "cpu-tiny",
+           "LAYERTAP_CACHE": str(tmp_path / "cache"), "INSTALL_WAIT_S": "300",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    assert _run(env, "wait", "1").returncode == 3  # nothing started yet: said by name, not a hang
+
+    started = _run(env, "start", "--stages", "report")
+    assert started.returncode == 0, started.stdout + started.stderr
+    pid = int((bg / "pid").read_text())
+    # the starting call has returned; the driver runs on in a session of its own
+    assert os.getsid(pid) == pid
+
+    # no vLLM install marker yet: the driver holds before the stages that need it, and wait says so
+    still = _run(env, "wait", "4")
+    assert still.returncode == 75, still.stdout + still.stderr
+    assert "still running" in still.stdout
+    assert not (bg / "rc").exists()
+
+    (home / "vllm-site").mkdir()
+    (home / "vllm-site" / ".installed").touch()
+    done = _run(env, "wait", "100")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ended with status 0" in done.stdout
+    assert "report:" in done.stdout  # the loop's own log came through
+    for name in ("gpu_loop.json", "gpu_loop.md", "gpu_loop.png", "gpu_loop_bg.log"):
+        assert (out / name).stat().st_size > 0, name
+    j = json.loads((out / "gpu_loop.json").read_text())
+    assert j["complete"] is False  # only the report ran: the report says so rather than claiming a loop
+
+
+def test_install_never_comes(tmp_path: Path) -> None:
+    home, bg, out = tmp_path / "home", tmp_path / "bg", tmp_path / "out"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home), "BG_DIR": str(bg), "OUT": str(out), "PROFILE": "cpu-tiny",
+           "LAYERTAP_CACHE": str(tmp_path / "cache"), "INSTALL_WAIT_S": "2",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    assert _run(env, "start", "--stages", "report").returncode == 0
+    r = _run(env, "wait", "60")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "vLLM not installed after 2 s" in r.stdout
