@@ -10,6 +10,8 @@
 #   call 2 (carry part01, SHA256SUMS, install-on-device.sh): mv .gpubundle/part01 .gpubundle/SHA256SUMS
 #                                     $HOME/vllm-bundle/ && bash .gpubundle/install-on-device.sh && bash scripts/gpu_loop.sh
 #   calls 3..: bash scripts/gpu_loop.sh          (until it exits 0)
+# Better, when the calls can follow each other within the machine's idle release: scripts/gpu_loop_bg.sh runs
+# this once, uninterrupted, in a process session of its own (no stage restarted at a call's limit).
 # Results in $OUT (or ./gpu-results): gpu_loop.json, gpu_loop.md, gpu_loop.png, gpu_loop.log, gpu_loop_logs.tar.gz.
 # Settings: PROFILE (h200), WORK (/tmp/gpu_loop), DEADLINE_S (575; none: no deadline); extra arguments go to the script.
 set -uo pipefail
