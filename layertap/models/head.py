@@ -95,6 +95,28 @@ def agreement(head: TargetHead, last_states: torch.Tensor, token_ids: torch.Tens
     n = int(token_ids.shape[0])
     if not 0 <= start < n - 1:
         raise ValueError(f"agreement: start={start} must lie in [0, {n - 1}) for {n} tokens")
-    with torch.no_grad():
-        pred = head(last_states[start : n - 1].float()).argmax(-1)
+    pred = greedy_argmax(head, last_states[start : n - 1])
     return float((pred == token_ids[start + 1 : n]).float().mean())
+
+
+ARGMAX_CHUNK = 16384
+"""Vocabulary rows per float32 slice in ``greedy_argmax``: 256 MiB at hidden 4096."""
+
+
+def greedy_argmax(head: TargetHead, last_states: torch.Tensor) -> torch.Tensor:
+    """The head's argmax per row in float32, on the head's device, one vocabulary slice at a time (no
+    float32 copy of a large head beside the engine); ties go to the lowest id, as ``torch.argmax``. Returns
+    ids on the CPU."""
+    if last_states.shape[-1] != head.hidden_size:
+        raise ValueError(f"TargetHead: state width {last_states.shape[-1]} != hidden size {head.hidden_size}")
+    dev = head.lm_head.device
+    with torch.no_grad():
+        x = head.normed(last_states.to(dev, torch.float32))
+        best = torch.full((x.shape[0],), float("-inf"), device=dev)
+        arg = torch.zeros(x.shape[0], dtype=torch.long, device=dev)
+        for i in range(0, head.vocab_size, ARGMAX_CHUNK):
+            val, idx = (x @ head.lm_head[i : i + ARGMAX_CHUNK].to(torch.float32).T).max(-1)
+            better = val > best
+            best = torch.where(better, val, best)
+            arg = torch.where(better, idx + i, arg)
+    return arg.cpu()

@@ -170,11 +170,27 @@ class Loop:
         self.cfg, self.tr, self.out, self.evals = cfg, tr, out, evals
         self.consumed: set[int] = set(tr.tcfg.extra.get("consumed", []))
         self.pulled: list[int] = []
+        self.selftest: Any = None
+        """EAGLE-3 learns from the target's own distribution at the last layer id: the first records must
+        show that id's rows reproduce the target's greedy tokens (train-offline checks its dataset the same
+        way), or the run stops by name before it trains on wrong labels."""
+        head, last = getattr(tr, "head", None), tr._layer_ids()[1]
+        if head is not None and last is not None:
+            from layertap.train.selftest import HeadSelfTest
+
+            self.selftest = HeadSelfTest(head, last)
 
     def _tracked(self, records: Iterator[Record]) -> Iterator[Record]:
+        st = self.selftest
         for rec in records:
+            if st is not None and not st.done:
+                st.add(rec)  # measured now: a record's memory may be reused once it is trained on
+                if st.done:
+                    print(st.result(), flush=True)
             self.pulled.append(rec.index)
             yield rec
+        if st is not None and 0 < st.seen < st.n:  # fewer records than the test takes: report those
+            print(st.result(), flush=True)
 
     def run(self, records: Iterator[Record]) -> None:
         from layertap.train.data import batches

@@ -23,23 +23,57 @@ def is_greedy(rec: Record) -> bool:
     return rec.mode == "generate" or bool(rec.meta.get("greedy_answer"))
 
 
-def head_selftest(target: str | Path, records: Sequence[Record], last_id: int, *, n: int = 8) -> str:
-    """Check up to ``n`` records; raises ``ValueError`` with the numbers when greedy spans disagree."""
-    head = TargetHead.from_pretrained(target)
-    greedy, forced = [], []
-    for rec in list(records[i] for i in range(min(n, len(records)))):
-        h = rec.hidden_states[:, plane_index(rec, last_id)]
+class HeadSelfTest:
+    """The self-test fed one record at a time, as records arrive (``layertap train`` runs it on the first
+    ``n`` records of the stream; each record is measured when it arrives and not kept, so a transport that
+    reuses a record's memory after training on it is never read late). ``head`` may live on the trainer's
+    device: the check then costs one head pass over each of ``n`` records."""
+
+    def __init__(self, head: TargetHead, last_id: int, *, n: int = 8):
+        self.head, self.last_id, self.n = head, last_id, n
+        self.greedy: list[float] = []
+        self.forced: list[float] = []
+        self.seen = 0
+
+    @property
+    def done(self) -> bool:
+        return self.seen >= self.n
+
+    def add(self, rec: Record) -> None:
+        """Measure one record (ignored once ``n`` were seen); raises ``ValueError`` at once when its greedy
+        span disagrees, and when it holds no plane of the last layer id."""
+        if self.done:
+            return
+        self.seen += 1
+        h = rec.hidden_states[:, plane_index(rec, self.last_id)]
         start = max(_first_trained(rec) - 1, 0)
         if start >= int(rec.token_ids.shape[0]) - 1:
-            continue
-        (greedy if is_greedy(rec) else forced).append(agreement(head, h, rec.token_ids, start))
-    msg = (f"head self-test (layer id {last_id}): greedy-span agreement "
-           f"{_mean(greedy)} over {len(greedy)} records; teacher-forced accuracy {_mean(forced)} "
-           f"over {len(forced)}")
-    if greedy and min(greedy) < MIN_AGREEMENT:
-        raise ValueError(f"{msg}: below {MIN_AGREEMENT} on a greedy span - layer id {last_id} is not the "
-                         "pre-norm last state of this target, or the head does not belong to it")
-    return msg
+            return
+        if not is_greedy(rec):
+            self.forced.append(agreement(self.head, h, rec.token_ids, start))
+            return
+        self.greedy.append(agreement(self.head, h, rec.token_ids, start))
+        if self.greedy[-1] < MIN_AGREEMENT:
+            self.result()  # raises at the first bad record: nothing trains on its labels
+
+    def result(self) -> str:
+        """The numbers as one line; raises ``ValueError`` with them when a greedy span disagrees."""
+        msg = (f"head self-test (layer id {self.last_id}): greedy-span agreement "
+               f"{_mean(self.greedy)} over {len(self.greedy)} records; teacher-forced accuracy "
+               f"{_mean(self.forced)} over {len(self.forced)}")
+        if self.greedy and min(self.greedy) < MIN_AGREEMENT:
+            raise ValueError(f"{msg}: below {MIN_AGREEMENT} on a greedy span - layer id {self.last_id} is not "
+                             "the pre-norm last state of this target, or the head does not belong to it")
+        return msg
+
+
+def head_selftest(target: str | Path | TargetHead, records: Sequence[Record], last_id: int, *, n: int = 8) -> str:
+    """Check up to ``n`` records; raises ``ValueError`` with the numbers when greedy spans disagree."""
+    head = target if isinstance(target, TargetHead) else TargetHead.from_pretrained(target)
+    test = HeadSelfTest(head, last_id, n=n)
+    for i in range(min(n, len(records))):
+        test.add(records[i])
+    return test.result()
 
 
 def _first_trained(rec: Record) -> int:

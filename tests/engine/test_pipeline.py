@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import re
 import subprocess
 import sys
 import time
@@ -161,6 +162,10 @@ def test_report_has_acceptance_and_rates(resumed):
     assert (out / "report.png").stat().st_size > 10_000
     assert (out / "exports" / "final" / "config.json").exists()
     assert "mean acceptance length" in stdout
+    # the online head self-test ran on the stream's first records (greedy spans: the target's own tokens)
+    st = re.search(r"head self-test \(layer id (\d+)\): greedy-span agreement ([\d.]+) over (\d+) records", stdout)
+    assert st is not None, stdout[-3000:]
+    assert float(st.group(2)) >= 0.95 and int(st.group(3)) >= 1, st.group(0)
 
 
 @pytest.fixture(scope="module")

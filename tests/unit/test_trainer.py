@@ -133,3 +133,51 @@ def test_online_from_transport_source(tmp_path):
     assert online.step == 3
     for (n, x), (_, y) in zip(online.model.state_dict().items(), offline.model.state_dict().items()):
         assert torch.equal(x, y), n
+
+
+def _loop(tr: Trainer, out):
+    from layertap.pipeline.config import EvalSection, PipelineConfig, TrainSection
+    from layertap.pipeline.run import Loop
+
+    cfg = PipelineConfig(out=str(out), train=TrainSection(max_steps=tr.tcfg.max_steps, batch_size=2, max_len=96,
+                                                          save_every=0, log_every=1000),
+                         eval=EvalSection(every=0))
+    out.mkdir(parents=True, exist_ok=True)
+    return Loop(cfg, tr, out, None)
+
+
+def test_online_loop_self_tests_the_last_layer(tmp_path, capsys):
+    """`layertap train` checks the first records of the stream as train-offline checks its dataset: on the
+    target's greedy spans the last layer id must reproduce the target's tokens. Right rows pass and train;
+    rows of layer N-1 under id N stop the run at the first record, before any optimizer step."""
+    import dataclasses
+
+    recs = tiny_records(4, greedy_tokens=12)
+    tr = _trainer("eagle3", tmp_path / "ok", steps=2)
+    _loop(tr, tmp_path / "ok").run(iter(recs))
+    assert tr.step == 2
+    assert "head self-test (layer id 4): greedy-span agreement 1.000 over 4 records" in capsys.readouterr().out
+
+    def shifted(r):  # id 4's plane holds layer 3's rows: the off-by-one the test exists for
+        h = r.hidden_states.clone()
+        h[:, 4] = r.hidden_states[:, 3]
+        return dataclasses.replace(r, hidden_states=h)
+
+    bad = _trainer("eagle3", tmp_path / "bad", steps=2)
+    with pytest.raises(ValueError,
+                       match=r"agreement 0\.\d+ over 1 records.*layer id 4 is not the pre-norm last state"):
+        _loop(bad, tmp_path / "bad").run(iter([shifted(r) for r in recs]))
+    assert bad.step == 0
+
+
+def test_greedy_argmax_in_slices_equals_argmax(monkeypatch):
+    """The self-test's float32 argmax, one vocabulary slice at a time, equals the head's whole argmax."""
+    from layertap.models import head as head_mod
+
+    head = head_mod.TargetHead.from_pretrained(tiny_target())
+    h = torch.randn(40, head.hidden_size)
+    want = head(h.float()).argmax(-1)
+    monkeypatch.setattr(head_mod, "ARGMAX_CHUNK", 300)  # 2048 ids: 7 slices, the last a partial one
+    assert torch.equal(head_mod.greedy_argmax(head, h), want)
+    with pytest.raises(ValueError, match="state width 64 != hidden size"):
+        head_mod.greedy_argmax(head, torch.randn(3, 64))
