@@ -24,7 +24,9 @@
 #                                      # SERVE_DEADLINE: no round starts that would end past it, s from the
 #                                      # benchmark's start; leave ~60 s for the HF check after the rounds)
 #   bash scripts/gpu_check.sh profile     # py-spy over PROFILE_VARIANTS (plain capture) at PROFILE_INFLIGHT (1):
-#                                          # where a request's time goes, per process and thread (needs
+#                                          # where a request's time goes, per process and thread; PROFILE_ARGS
+#                                          # override the workload (e.g. "--prompt-len 512 --max-tokens 256":
+#                                          # decode-heavy, as in serving) (needs
 #                                          # py-spy: on PATH, or its wheel carried as .gpubundle/py_spy-*.whl)
 # Results and logs go to $OUT (the device tool's return folder) or ./gpu-results.
 set -uo pipefail
@@ -113,7 +115,7 @@ if [ "$phase" = profile ]; then
   fi
   for v in ${PROFILE_VARIANTS:-plain capture}; do
     CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} python3 benchmarks/profile_capture.py --variant $v \
-      --inflight ${PROFILE_INFLIGHT:-1} --out "$OUT/profile" $bench_args 2>&1 | head -40
+      --inflight ${PROFILE_INFLIGHT:-1} --out "$OUT/profile" $bench_args ${PROFILE_ARGS:-} 2>&1 | head -40
     rc=$(( rc | PIPESTATUS[0] ))
   done
 fi
