@@ -63,12 +63,26 @@ class SchedulerSide:
         self.decode_steps = 0
 
     def build_meta(self, out) -> LayertapMetadata:
+        new = compat.new_requests(out)
+        if not new and not self.prompts and self.steps >= self.c._check_steps \
+                and self.decode_steps >= self.c._check_steps:
+            # Steady state (decode steps, once the first steps' checks are done): no slot check can come any
+            # more and no prompt waits for an early save, so the block ids need no tracking (a generate-mode
+            # save takes them from request_finished); only the saves queued by request_finished go out.
+            # This runs on the engine's one thread every step; the full pass below cost ~0.5 us per request
+            # in flight (31 us a step at 64, measured on the 2-core CPU machine).
+            self.steps += 1
+            saves, self.pending = self.pending, []
+            return LayertapMetadata(saves=saves)
+        return self._build_meta(out, new)
+
+    def _build_meta(self, out, new: list) -> LayertapMetadata:
         g = self.c._group
         sched = compat.num_scheduled(out)
         checks = []
         want_checks = self.steps < self.c._check_steps
         computed_now: dict[str, int] = {}
-        for rid, blocks, computed, params, prompt in compat.new_requests(out):
+        for rid, blocks, computed, params, prompt in new:
             self.blocks[rid] = list(blocks[g]) if len(blocks) > g else []
             computed_now[rid] = computed
             if params and PARAMS_KEY in params:

@@ -74,3 +74,27 @@ def test_abort_after_an_early_save_reports_aborted():
     assert len(s.build_meta(out([new("a", PROMPT, [1, 2])], sched={"a": 150})).saves) == 1
     hold, params = s.finished(request("a", PROMPT, status="RequestStatus.FINISHED_ABORTED"), [1, 2])
     assert hold is False and params[PARAMS_KEY]["status"] == "aborted"
+
+
+def test_steady_state_steps_skip_block_tracking_but_keep_every_save():
+    """Once no slot check can come and no prompt waits for an early save, a step only hands out the saves
+    queued by request_finished (no per-request pass on the engine's thread); a prompt-mode request arriving
+    later is tracked again, chunk by chunk, and saved with all of its blocks."""
+    c = NS(_group=0, _layer_ids=[1, 2], _group_desc={}, _check_steps=2,
+           _extra={"capture_path": "hook", "default_mode": "generate"})
+    s = SchedulerSide(c)
+    s.build_meta(out([new("g", PROMPT, [1, 2], mode="generate")], sched={"g": 150}))
+    for k in range(2):  # the first decode steps still carry slot checks for the generate-mode request
+        m = s.build_meta(out(cached=[("g", None, 150 + k, 1 + k)], sched={"g": 1}))
+        assert [ch.req_id for ch in m.checks] == ["g"]
+    m = s.build_meta(out(cached=[("g", ([3],), 152, 3)], sched={"g": 1}))
+    assert m.checks == [] and m.saves == []
+    assert s.blocks["g"] == [1, 2]  # steady state: not tracked (its save takes request_finished's ids)
+    hold, _ = s.finished(request("g", PROMPT, [9, 10, 11]), [1, 2, 3])
+    (job,) = s.build_meta(out(cached=[("h", None, 10, 2)], sched={"h": 1})).saves
+    assert hold is True and job.block_ids == [1, 2, 3] and job.num_rows == 152
+    # a prompt-mode request now: tracked over its two chunks, saved early with every block
+    assert s.build_meta(out([new("p", PROMPT, [7, 8], mode="prompt")], sched={"p": 100})).saves == []
+    (early,) = s.build_meta(out(cached=[("p", ([9],), 100, 0)], sched={"p": 50})).saves
+    assert early.req_id == "p" and early.block_ids == [7, 8, 9] and early.release is False
+    assert s.build_meta(out(cached=[("p", None, 150, 1)], sched={"p": 1})).saves == []
