@@ -67,10 +67,9 @@ class HeadSelfTest:
         return msg
 
 
-def head_selftest(target: str | Path | TargetHead, records: Sequence[Record], last_id: int, *, n: int = 8) -> str:
+def head_selftest(target: str | Path, records: Sequence[Record], last_id: int, *, n: int = 8) -> str:
     """Check up to ``n`` records; raises ``ValueError`` with the numbers when greedy spans disagree."""
-    head = target if isinstance(target, TargetHead) else TargetHead.from_pretrained(target)
-    test = HeadSelfTest(head, last_id, n=n)
+    test = HeadSelfTest(TargetHead.from_pretrained(target), last_id, n=n)
     for i in range(min(n, len(records))):
         test.add(records[i])
     return test.result()

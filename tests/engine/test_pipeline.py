@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import re
+import signal
 import subprocess
 import sys
 import time
