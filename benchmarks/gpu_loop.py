@@ -168,7 +168,7 @@ class Profile:
     """The offline run (capture to disk, ``train-offline``) takes the first N of the online EAGLE-3 run's
     inputs (None: all of them) and as many steps as they fill; the report compares per 1000 records and
     extrapolates the dataset's size to the online run's. Its dataset holds every row on disk, which at the
-    online run's size need not fit (2304 x 8 records of this target: ~120 GB)."""
+    online run's size need not fit (3456 x 8 records of this target: ~96 GB)."""
     parallel_drafters: bool = False
     """Run the EAGLE-3 and DFlash stages at once (two ``layertap train`` runs, each with its capture engine
     and trainer, on the one device): their engine starts and evaluations overlap. Their capture engines
@@ -187,16 +187,17 @@ H200 = Profile(
                                      head_dim=128, intermediate_size=6144, vocab_size=2048),
                       steps=400, batch_size=32, seq_len=512, lr=6e-4, warmup=40),
     target_dtype="bfloat16", target_budget_s=100.0,
-    # Fresh conversations, one pass, 8 records a step. DFlash: 768 steps. EAGLE-3: 2304 steps on 18,432
-    # conversations (~4 M trained tokens): at 768 steps its AL in vLLM was 2.37 and its batch-1 speed-up 1.33x
-    # (one iteration costs ~1.7x a plain step of CPU, so 1.5x needs AL >= ~2.55); at 2304 steps AL 2.61 and
-    # 1.60x (RESULTS.md, 2026-12-02). ~62 records/s from 128 in flight, so ~5 min of capture + training; the
-    # stage spans two device calls (it resumes). Evaluations (engine starts) at the half-way step and the end.
-    convs=18432 + 160, holdout=160, capture_max_tokens=128, epochs=1, max_inflight=128, shm_slot_mb=4, shm_slots=512,
-    steps=768, drafter_steps={"eagle3": 2304}, batch=8, max_len=512, lr={"eagle3": 1e-3, "dflash": 6e-4}, warmup=30,
+    # Fresh conversations, one pass, 8 records a step. DFlash: 768 steps. EAGLE-3: 3456 steps on 27,648
+    # conversations (~6 M trained tokens). At 768 steps its AL in vLLM was 2.37 and its batch-1 speed-up 1.33x
+    # (one iteration costs ~1.7x a plain step of CPU, so 1.5x needs AL >= ~2.55); at 2304 steps two runs
+    # served AL 2.87 / 2.66 at batch 1 and 1.60x / 1.49x (RESULTS.md, 2026-12-02): at the goal's edge, so
+    # 1.5x the data. The trainer set the pace at 2304 (idle 0.003, ~67 records/s); its batches are now built
+    # on the device (benchmarks/train_data_path.py). Evaluations (engine starts) at the half-way step and the end.
+    convs=27648 + 160, holdout=160, capture_max_tokens=128, epochs=1, max_inflight=128, shm_slot_mb=4, shm_slots=512,
+    steps=768, drafter_steps={"eagle3": 3456}, batch=8, max_len=512, lr={"eagle3": 1e-3, "dflash": 6e-4}, warmup=30,
     save_every=192, ttt_steps=4, num_spec=4, block_size=8, dflash_layers=2,
-    eval_every={"eagle3": 1152, "dflash": 384}, eval_prompts=16, eval_max_tokens=64, eval_kv_mb=2048,
-    # Offline on the first 2048 inputs (256 steps, ~13 GB on disk; all 18,432 would need ~120 GB).
+    eval_every={"eagle3": 1728, "dflash": 384}, eval_prompts=16, eval_max_tokens=64, eval_kv_mb=2048,
+    # Offline on the first 2048 inputs (256 steps, ~7.6 GB on disk; all 27,648 would need ~96 GB).
     offline_records=2048,
     # A fixed KV cache (16 GiB: ~150 K tokens of KV + capture planes, 128 requests of ~450 tokens need ~60 K):
     # the EAGLE-3 and DFlash capture engines start at the same moment (parallel_drafters) and must not size

@@ -16,7 +16,9 @@
 # (gpu_loop.{json,md,png,log}, the stage logs as a tarball, this driver's log). Exit: the loop's own status
 # once it has ended (0 done, 1 a stage failed), 75 while it runs, 3 when no run was started.
 # Settings: BG_DIR (/tmp/gpu_loop_bg: work, results, logs), INSTALL_WAIT_S (900: how long the loop waits for
-# vLLM after the target stage before it gives up by name).
+# vLLM after the target stage before it gives up by name), AFTER (at start: a command run in the same
+# session once the loop ended with status 0, before `wait` reports the end; OUT is then $BG/out/after,
+# copied into $OUT/after, and the loop's work folder is $BG/work).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BG=${BG_DIR:-/tmp/gpu_loop_bg}
@@ -41,8 +43,15 @@ if [ \$rc = 0 ]; then
     echo "gpu_loop_bg: vLLM not installed after ${INSTALL_WAIT_S:-900} s (install-on-device.sh in call 2); stopping"; rc=2
   fi
 fi
+if [ \$rc = 0 ] && [ -n "\$AFTER" ]; then
+  mkdir -p "$BG/out/after"
+  echo "gpu_loop_bg: after the loop: \$AFTER"
+  OUT="$BG/out/after" bash -c "\$AFTER"
+  echo "gpu_loop_bg: the after-commands ended with status \$?"
+fi
 echo \$rc > "$BG/rc"
 EOF
+  printf 'AFTER=%q\n' "${AFTER:-}" | cat - "$BG/driver.sh" > "$BG/driver.tmp" && mv "$BG/driver.tmp" "$BG/driver.sh"
   setsid nohup bash "$BG/driver.sh" > "$BG/driver.log" 2>&1 < /dev/null &
   echo $! > "$BG/pid"
   echo "gpu_loop_bg: started pid $(cat "$BG/pid"), log $BG/driver.log"
@@ -64,6 +73,7 @@ if [ "$cmd" = wait ]; then
     [ -f "$BG/out/$f" ] && cp "$BG/out/$f" "$OUT/"
   done
   [ -f "$BG/out/gpu_loop_logs.tar.gz" ] || tar -czf "$OUT/gpu_loop_logs.tar.gz" -C "$BG/work" logs 2>/dev/null
+  [ -d "$BG/out/after" ] && cp -r "$BG/out/after" "$OUT/"
   cp "$BG/driver.log" "$OUT/gpu_loop_bg.log"
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null
   if [ -f "$BG/rc" ]; then echo "gpu_loop_bg: the loop ended with status $(cat "$BG/rc")"; exit "$(cat "$BG/rc")"; fi

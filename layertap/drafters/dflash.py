@@ -148,8 +148,9 @@ def sample_anchors(mask: torch.Tensor, lengths: torch.Tensor, n: int, gen: torch
     token is trained (``mask[a+1]``); [B, n] sorted, -1 where a row has fewer candidates."""
     bsz, t = mask.shape
     out = torch.full((bsz, n), -1, dtype=torch.long)
+    host_mask, host_len = mask.cpu(), lengths.tolist()  # one copy each, not one per row
     for b in range(bsz):
-        cand = torch.nonzero(mask[b, 2 : int(lengths[b])].cpu() > 0).flatten() + 1
+        cand = torch.nonzero(host_mask[b, 2 : int(host_len[b])] > 0).flatten() + 1
         if cand.numel() == 0:
             continue
         pick = cand[torch.randperm(cand.numel(), generator=gen)[:n]].sort().values

@@ -198,7 +198,7 @@ class Loop:
         tr, t = self.tr, self.cfg.train
         aux, last = tr._layer_ids()
         t0 = time.monotonic()
-        for b, _ in batches(self._tracked(records), t.batch_size, aux, last, t.max_len):
+        for b, _ in batches(self._tracked(records), t.batch_size, aux, last, t.max_len, tr.device):
             if tr.step >= tr.tcfg.max_steps:
                 break
             check_interrupted()

@@ -244,7 +244,7 @@ class Trainer:
         if self.dist is not None:
             return self._fit_dist(stream, skip, stop_after)
         t0 = time.monotonic()
-        for b, seen in batches(stream, self.tcfg.batch_size, aux_ids, last_id, self.tcfg.max_len):
+        for b, seen in batches(stream, self.tcfg.batch_size, aux_ids, last_id, self.tcfg.max_len, self.device):
             if self.step >= min(self.tcfg.max_steps, stop_after or self.tcfg.max_steps):
                 break
             m = self.train_step(b)
@@ -261,7 +261,7 @@ class Trainer:
         aux_ids, last_id = self._layer_ids()
         limit = min(self.tcfg.max_steps, stop_after or self.tcfg.max_steps)
         shards = shard_batches(stream, self.tcfg.batch_size, d.rank, d.world_size, aux_ids, last_id,
-                               self.tcfg.max_len)
+                               self.tcfg.max_len, self.device)
         first, warned = True, False
         t0 = time.monotonic()
         while self.step < limit:

@@ -198,6 +198,32 @@ def test_collate_picks_planes_by_id():
         collate(recs, [7], 4, 64)
 
 
+def test_collate_widens_stored_bf16_rows_whole_or_gathered():
+    """Batches are built from the rows' stored dtype (bf16 from a bf16 engine) and widened to float32 where
+    they land; a record holding exactly the planes used is copied whole, one holding more is gathered first,
+    and padding stays zero."""
+    import dataclasses
+
+    recs = tiny_records(3)
+    bf = [dataclasses.replace(r, hidden_states=r.hidden_states.to(torch.bfloat16)) for r in recs]
+    # Record 0 holds exactly ids [1, 3, 4] in that order: copied whole. Records 1-2 hold all five ids.
+    bf[0] = dataclasses.replace(bf[0], hidden_states=bf[0].hidden_states[:, [1, 3, 4]].contiguous(),
+                                layer_ids=[1, 3, 4])
+    r2 = bf[2]  # shorter than the others: padded
+    bf[2] = dataclasses.replace(r2, token_ids=r2.token_ids[:40], hidden_states=r2.hidden_states[:40],
+                                loss_mask=None if r2.loss_mask is None else r2.loss_mask[:40])
+    b = collate(bf, [1, 3], 4, 64, device="cpu")
+    assert b.aux.dtype == torch.float32 and b.last.dtype == torch.float32
+    for i, r in enumerate(recs):
+        n = int(b.lengths[i])
+        want = r.hidden_states[:n].to(torch.bfloat16).float()
+        torch.testing.assert_close(b.aux[i, :n, :128], want[:, 1], rtol=0, atol=0)
+        torch.testing.assert_close(b.aux[i, :n, 128:], want[:, 3], rtol=0, atol=0)
+        torch.testing.assert_close(b.last[i, :n], want[:, 4], rtol=0, atol=0)
+        assert float(b.aux[i, n:].abs().sum()) == 0.0 and float(b.mask[i, n:].sum()) == 0.0
+    assert b.lengths.tolist() == [64, 64, 40]
+
+
 def test_dflash_greedy_replay_is_prefix_acceptance():
     """Per-position acceptance from the replay is non-increasing (acceptance stops at the first miss)
     and the mean acceptance length is 1 + their sum, as vLLM defines it."""
