@@ -16,15 +16,17 @@ so a run split over several device calls resumes where the last one stopped:
              device, records over shm, periodic acceptance evaluations, export; an interrupted run resumes
     dflash   the same for DFlash; with ``parallel_drafters`` (both profiles) it runs at the same time as
              eagle3, each stage in a thread of this script driving its own ``layertap train`` process
-    offline  ``layertap capture`` (generate mode, file dataset) + ``layertap train-offline --kind eagle3``
-             with the online run's inputs (the first ``offline_records`` of them), steps and batch: wall
-             time of each and the dataset's bytes, per 1000 records beside the online run
     serve    one worker process per variant (plain, ngram, eagle3, dflash), all engines alive at once and
              timed in interleaved rounds (each round: every concurrency on every variant back to back), so a
              speed-up is the median of per-round ratios. vLLM ``LLM``, greedy, the held-out prompts at each
              concurrency b (b requests in flight, a new one entering as one finishes:
              ``evaluate.timed_decode``): output tokens/s after a warm-up, per-request time per output token
              (median, p99), mean acceptance length from vLLM's counters, the share of outputs equal to plain's
+    offline  ``layertap capture`` (generate mode, file dataset) + ``layertap train-offline --kind eagle3``
+             with the online run's inputs (the first ``offline_records`` of them), steps and batch: wall
+             time of each and the dataset's bytes, per 1000 records beside the online run. It runs after
+             serve (before it when ``eagle3-offline`` is served), so a lease lost late in the run has the
+             speed-ups (the goal) already
     report   gpu_loop.json (raw, everything measured), gpu_loop.md and gpu_loop.png in --work/report and --out,
              with gpu_loop.log and gpu_loop_logs.tar.gz (every stage's log) beside them in --out
 
@@ -74,7 +76,7 @@ if str(REPO) not in sys.path:
 from layertap.models.tiny import TinySpec  # noqa: E402  (light: no torch import at module level)
 from layertap.models.train_target import TargetSpec  # noqa: E402
 
-STAGES = ("target", "eagle3", "dflash", "offline", "serve", "report")
+STAGES = ("target", "eagle3", "dflash", "serve", "offline", "report")
 DRAFTERS = ("eagle3", "dflash")
 SERVE_VARIANTS = ("plain", "ngram", "eagle3", "dflash")
 OPTIONAL_VARIANTS = ("plain-v1", "eagle3-v1", "eagle3-offline")
@@ -1709,8 +1711,10 @@ def main(argv: list[str]) -> int:
     failed = later = False
     steps: list[tuple[str, Callable[[], None]]] = [
         ("target", lambda: stage_target(run)), ("eagle3", lambda: stage_online(run, "eagle3")),
-        ("dflash", lambda: stage_online(run, "dflash")), ("offline", lambda: stage_offline(run)),
-        ("serve", lambda: stage_serve(run, variants))]
+        ("dflash", lambda: stage_online(run, "dflash")), ("serve", lambda: stage_serve(run, variants)),
+        ("offline", lambda: stage_offline(run))]
+    if any(variant_drafter(v) == "offline" for v in variants):  # serving the offline drafter: offline first
+        steps[3], steps[4] = steps[4], steps[3]
     seen: dict[str, bool] = {}
 
     def pending(name: str) -> bool:
