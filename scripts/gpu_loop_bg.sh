@@ -15,6 +15,8 @@
 # `wait N` prints the loop's log as it grows, for at most N s, and copies the results so far into $OUT
 # (gpu_loop.{json,md,png,log}, the stage logs as a tarball, this driver's log). Exit: the loop's own status
 # once it has ended (0 done, 1 a stage failed), 75 while it runs, 3 when no run was started.
+# The first invocation adds --stages target after the arguments (the last --stages wins), so the arguments
+# may carry their own --stages for the main run.
 # Settings: BG_DIR (/tmp/gpu_loop_bg: work, results, logs), INSTALL_WAIT_S (900: how long the loop waits for
 # vLLM after the target stage before it gives up by name), AFTER (at start: a command run in the same
 # session once the loop ended with status 0, before `wait` reports the end; OUT is then $BG/out/after,
@@ -33,7 +35,7 @@ if [ "$cmd" = start ]; then
 cd "$PWD"
 export WORK="$BG/work" OUT="$BG/out" DEADLINE_S=none
 t0=\$(date +%s)
-bash scripts/gpu_loop.sh --stages target $(printf '%q ' "$@")
+bash scripts/gpu_loop.sh $(printf '%q ' "$@") --stages target
 rc=\$?
 if [ \$rc = 0 ]; then
   while [ ! -f \$HOME/vllm-site/.installed ] && [ \$(( \$(date +%s) - t0 )) -lt ${INSTALL_WAIT_S:-900} ]; do sleep 2; done
