@@ -15,8 +15,8 @@
 # `wait N` prints the loop's log as it grows, for at most N s, and copies the results so far into $OUT
 # (gpu_loop.{json,md,png,log}, the stage logs as a tarball, this driver's log). Exit: the loop's own status
 # once it has ended (0 done, 1 a stage failed), 75 while it runs, 3 when no run was started.
-# The first invocation adds --stages target after the arguments (the last --stages wins), so the arguments
-# may carry their own --stages for the main run.
+# The arguments may name the run's stages (--stages); when the target stage is among them (or none are named)
+# it runs first on its own (--stages target after the arguments), before vLLM is installed.
 # Settings: BG_DIR (/tmp/gpu_loop_bg: work, results, logs), INSTALL_WAIT_S (900: how long the loop waits for
 # vLLM after the target stage before it gives up by name), AFTER (at start: a command run in the same
 # session once the loop ended with status 0, before `wait` reports the end; OUT is then $BG/out/after,
@@ -30,17 +30,28 @@ if [ "$cmd" = start ]; then
   mkdir -p "$BG/out"
   if [ -f "$BG/pid" ] && kill -0 "$(cat "$BG/pid")" 2>/dev/null; then echo "already running: pid $(cat "$BG/pid")"; exit 0; fi
   rm -f "$BG/rc"
+  # The run's stages (the last --stages wins, as in gpu_loop.py; none given: all). The target stage needs no
+  # vLLM, so when it is among them it runs first, while the bundle is installed.
+  stages=all; prev=
+  for a in "$@"; do
+    [ "$prev" = --stages ] && stages=$a
+    case $a in --stages=*) stages=${a#--stages=} ;; esac
+    prev=$a
+  done
+  first_target=0
+  case ",$stages," in *,all,*|*,target,*) first_target=1 ;; esac
+  args=; [ $# -gt 0 ] && args=$(printf '%q ' "$@")  # (printf of no arguments would pass one empty argument)
   cat > "$BG/driver.sh" <<EOF
 #!/usr/bin/env bash
 cd "$PWD"
 export WORK="$BG/work" OUT="$BG/out" DEADLINE_S=none
 t0=\$(date +%s)
-bash scripts/gpu_loop.sh $(printf '%q ' "$@") --stages target
-rc=\$?
+rc=0
+if [ "$first_target" = 1 ]; then bash scripts/gpu_loop.sh $args--stages target; rc=\$?; fi
 if [ \$rc = 0 ]; then
   while [ ! -f \$HOME/vllm-site/.installed ] && [ \$(( \$(date +%s) - t0 )) -lt ${INSTALL_WAIT_S:-900} ]; do sleep 2; done
   if [ -f \$HOME/vllm-site/.installed ]; then
-    bash scripts/gpu_loop.sh $(printf '%q ' "$@"); rc=\$?
+    bash scripts/gpu_loop.sh $args; rc=\$?
   else
     echo "gpu_loop_bg: vLLM not installed after ${INSTALL_WAIT_S:-900} s (install-on-device.sh in call 2); stopping"; rc=2
   fi

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_loop_bg.sh"
@@ -18,6 +22,19 @@ SCRIPT = REPO / "scripts" / "gpu_loop_bg.sh"
 def _run(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(SCRIPT), *args], env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
+
+
+@pytest.fixture(autouse=True)
+def _stop_detached_driver(tmp_path: Path):
+    """The driver runs in a process session of its own, outside pytest's children: stop it after a test,
+    passed or failed, so a failing test leaves nothing running on the machine."""
+    yield
+    pid_file = tmp_path / "bg" / "pid"
+    if pid_file.exists():
+        try:
+            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def test_detached_loop_waits_for_install_and_reports(tmp_path: Path) -> None:
@@ -50,6 +67,9 @@ def test_detached_loop_waits_for_install_and_reports(tmp_path: Path) -> None:
         assert (out / name).stat().st_size > 0, name
     j = json.loads((out / "gpu_loop.json").read_text())
     assert j["complete"] is False  # only the report ran: the report says so rather than claiming a loop
+    # the run named its stages and the target was not among them: no target run before the install
+    log = (out / "gpu_loop_bg.log").read_text()
+    assert "stages report," in log and "stages target" not in log, log
 
 
 def test_install_never_comes(tmp_path: Path) -> None:
@@ -62,3 +82,24 @@ def test_install_never_comes(tmp_path: Path) -> None:
     r = _run(env, "wait", "60")
     assert r.returncode == 2, r.stdout + r.stderr
     assert "vLLM not installed after 2 s" in r.stdout
+
+
+@pytest.mark.parametrize("args, first", [((), True), (("--stages", "target,eagle3,serve,report"), True),
+                                         (("--stages=eagle3,serve",), False),
+                                         (("--stages", "all", "--stages", "serve,report"), False)])
+def test_target_runs_before_the_install_only_when_the_run_has_it(tmp_path: Path, args, first) -> None:
+    """The driver that `start` writes: the target stage (no vLLM needed) runs ahead of the install only when
+    the run's stages include it; the main run gets the arguments as given (the last --stages wins)."""
+    home, bg = tmp_path / "home", tmp_path / "bg"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home), "BG_DIR": str(bg), "OUT": str(tmp_path / "out"), "PROFILE": "cpu-tiny",
+           "LAYERTAP_CACHE": str(tmp_path / "cache"), "INSTALL_WAIT_S": "1",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    # the install marker never comes and the wait is 1 s: the driver stops by name, the fixture kills the rest
+    assert _run(env, "start", *args).returncode == 0
+    driver = (bg / "driver.sh").read_text()
+    assert f'if [ "{int(first)}" = 1 ]; then bash scripts/gpu_loop.sh' in driver, driver
+    main = [ln.strip() for ln in driver.splitlines() if ln.strip().startswith("bash scripts/gpu_loop.sh")]
+    assert len(main) == 1, driver
+    given = main[0].split("gpu_loop.sh", 1)[1].split(";", 1)[0]
+    assert shlex.split(given) == list(args), main[0]
