@@ -182,12 +182,13 @@ class Profile:
 H200 = Profile(
     name="h200", device="cuda",
     # Qwen3-1.7B-like body (24 x 2048, GQA 16/8 heads of 128) with the 2048-token stdlib tokenizer:
-    # 1.2 B parameters, up to 6.6 M training tokens (400 x 32 x 512; ~37 K tok/s measured in bf16 autocast),
-    # the loop capped at 100 s (loss ~1.8; every H200 run since the fifth session) so the stage fits the first
-    # device call while the vLLM bundle's second part is still to come.
+    # 1.2 B parameters, 3.5 M training tokens (216 x 32 x 512; ~37 K tok/s measured in bf16 autocast),
+    # the loop capped at 100 s so the stage fits the first device call while the vLLM bundle's second part is
+    # still to come. 216 steps: what 100 s holds (222-226 steps in every H200 run since the fifth session), so
+    # the cosine schedule ends at its floor instead of being cut half-way at 400 (loss 1.71-1.88 then).
     target=TargetSpec(model=TinySpec(kind="qwen3", hidden_size=2048, num_layers=24, num_heads=16, num_kv_heads=8,
                                      head_dim=128, intermediate_size=6144, vocab_size=2048),
-                      steps=400, batch_size=32, seq_len=512, lr=6e-4, warmup=40),
+                      steps=216, batch_size=32, seq_len=512, lr=6e-4, warmup=40),
     target_dtype="bfloat16", target_budget_s=100.0,
     # Fresh conversations, one pass, 8 records a step. DFlash: 768 steps. EAGLE-3: 3456 steps on 27,648
     # conversations (~6 M trained tokens). At 768 steps its AL in vLLM was 2.37 and its batch-1 speed-up 1.33x
