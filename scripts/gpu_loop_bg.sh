@@ -17,7 +17,7 @@
 # once it has ended (0 done, 1 a stage failed), 75 while it runs, 3 when no run was started.
 # The arguments may name the run's stages (--stages); when the target stage is among them (or none are named)
 # it runs first on its own (--stages target after the arguments), before vLLM is installed.
-# Settings: BG_DIR (/tmp/gpu_loop_bg: work, results, logs), INSTALL_WAIT_S (900: how long the loop waits for
+# Settings: PROFILE (at start: gpu_loop.py's profile, h200 or h200-eagle3), BG_DIR (/tmp/gpu_loop_bg: work, results, logs), INSTALL_WAIT_S (900: how long the loop waits for
 # vLLM after the target stage before it gives up by name), AFTER (at start: a command run in the same
 # session once the loop ended with status 0, before `wait` reports the end; OUT is then $BG/out/after,
 # copied into $OUT/after, and the loop's work folder is $BG/work).

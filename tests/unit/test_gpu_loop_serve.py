@@ -124,3 +124,34 @@ def test_merge_memory_keeps_every_calls_peaks():
     m = gpu_loop.merge_memory([a, None, b])
     assert m["device_peak_used_mib"] == 39000 and set(m["processes"]) == {"11", "42"} and m["calls"] == 2
     assert gpu_loop.merge_memory([a]) is a and gpu_loop.merge_memory([None]) is None
+
+
+@pytest.mark.parametrize("name", sorted(gpu_loop.PROFILES))
+def test_profile_recipes_hold_together(name: str) -> None:
+    """Each profile's numbers agree with each other: one pass of fresh conversations feeds every drafter's
+    steps, the capture engine runs as many requests as the Tap admits, and the shm pool holds that many
+    records of 512 tokens (so the pool, not max_inflight, never silently sets the producer's pace)."""
+    p = gpu_loop.PROFILES[name]
+    for kind in gpu_loop.DRAFTERS:
+        assert (p.convs - p.holdout) * p.epochs >= gpu_loop.steps_of(p, kind) * p.batch, kind
+    if "max_num_seqs" in p.engine:
+        assert p.engine["max_num_seqs"] >= p.max_inflight
+    record = 512 * 4 * p.target.model.hidden_size * 2  # 4 captured layers, 16-bit
+    slots_per_record = -(-record // (p.shm_slot_mb << 20))
+    assert p.shm_slots >= p.max_inflight * slots_per_record
+    assert all(gpu_loop.known_variant(v) for v in p.serve_variants)
+    assert set(p.serve_prompts) == set(p.serve_batches) and p.holdout >= max(p.serve_prompts.values())
+    assert gpu_loop.apply_overrides(p, []) == p
+
+
+def test_h200_eagle3_profile_is_the_measured_recipe() -> None:
+    """The named recipe is what the 2026-12-03 loop8 run passed as overrides (RESULTS.md): the same profile."""
+    p = gpu_loop.apply_overrides(gpu_loop.H200, [
+        "convs=55456", 'drafter_steps={"eagle3":6912}', 'eval_every={"eagle3":3456,"dflash":384}',
+        "max_inflight=256", "shm_slots=1024", "save_every=576",
+        'engine={"gpu_memory_utilization":0.2,"max_model_len":1024,"max_num_seqs":256,'
+        '"kv_cache_memory_bytes":25769803776}', 'serve_prompts={"1":32,"8":64,"32":160}', "serve_repeats=6"])
+    q = gpu_loop.PROFILES["h200-eagle3"]
+    assert gpu_loop.train_sets(p, "eagle3") == gpu_loop.train_sets(q, "eagle3")
+    assert (p.serve_prompts, p.serve_repeats, p.serve_batches) == (q.serve_prompts, q.serve_repeats, q.serve_batches)
+    assert q.serve_variants == ("plain", "ngram", "eagle3") and q.target == gpu_loop.H200.target
