@@ -16,9 +16,12 @@
 # (gpu_loop.{json,md,png,log}, the stage logs as a tarball, this driver's log). Exit: the loop's own status
 # once it has ended (0 done, 1 a stage failed), 75 while it runs, 3 when no run was started.
 # The arguments may name the run's stages (--stages); when the target stage is among them (or none are named)
-# it runs first on its own (--stages target after the arguments), before vLLM is installed.
-# Settings: PROFILE (at start: gpu_loop.py's profile, h200 or h200-eagle3), BG_DIR (/tmp/gpu_loop_bg: work, results, logs), INSTALL_WAIT_S (900: how long the loop waits for
-# vLLM after the target stage before it gives up by name), AFTER (at start: a command run in the same
+# it runs first on its own (--stages target after the arguments), before vLLM is installed. The other stages
+# wait for the bundle's install only where a bundle is being delivered ($HOME/vllm-bundle exists); elsewhere
+# they use the vLLM that python3 imports.
+# Settings: PROFILE (at start: gpu_loop.py's profile, h200 or h200-eagle3), BG_DIR (/tmp/gpu_loop_bg: work,
+# results, logs), INSTALL_WAIT_S (900: how long the loop waits for the bundle's install after the target
+# stage before it gives up by name), AFTER (at start: a command run in the same
 # session once the loop ended with status 0, before `wait` reports the end; OUT is then $BG/out/after,
 # copied into $OUT/after, and the loop's work folder is $BG/work).
 set -uo pipefail
@@ -48,13 +51,16 @@ export WORK="$BG/work" OUT="$BG/out" DEADLINE_S=none
 t0=\$(date +%s)
 rc=0
 if [ "$first_target" = 1 ]; then bash scripts/gpu_loop.sh $args--stages target; rc=\$?; fi
-if [ \$rc = 0 ]; then
+# A bundle being delivered (\$HOME/vllm-bundle, the lent machine): wait for its install. Without one, vLLM is
+# whatever this machine's python3 imports.
+if [ \$rc = 0 ] && [ -d \$HOME/vllm-bundle ]; then
   while [ ! -f \$HOME/vllm-site/.installed ] && [ \$(( \$(date +%s) - t0 )) -lt ${INSTALL_WAIT_S:-900} ]; do sleep 2; done
-  if [ -f \$HOME/vllm-site/.installed ]; then
-    bash scripts/gpu_loop.sh $args; rc=\$?
-  else
+  if [ ! -f \$HOME/vllm-site/.installed ]; then
     echo "gpu_loop_bg: vLLM not installed after ${INSTALL_WAIT_S:-900} s (install-on-device.sh in call 2); stopping"; rc=2
   fi
+fi
+if [ \$rc = 0 ]; then
+  bash scripts/gpu_loop.sh $args; rc=\$?
 fi
 if [ \$rc = 0 ] && [ -n "\$AFTER" ]; then
   mkdir -p "$BG/out/after"

@@ -1,6 +1,7 @@
 """scripts/gpu_loop_bg.sh: the loop started in its own process session outlives the call that started it,
 waits for vLLM's install marker before the stages that need it, and `wait` reports 75 while it runs, then the
-loop's own status, with the results copied out. Real processes; the cpu-tiny profile's report stage stands
+loop's own status, with the results copied out. Without a bundle being delivered ($HOME/vllm-bundle) it
+waits for nothing: a machine with vLLM installed runs the loop at once. Real processes; the cpu-tiny profile's report stage stands
 in for the loop's stages (it needs no engine)."""
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _stop_detached_driver(tmp_path: Path):
 
 def test_detached_loop_waits_for_install_and_reports(tmp_path: Path) -> None:
     home, bg, out = tmp_path / "home", tmp_path / "bg", tmp_path / "out"
-    home.mkdir()
+    (home / "vllm-bundle").mkdir(parents=True)  # a bundle is being delivered, as on the lent machine
     env = {**os.environ, "HOME": str(home), "BG_DIR": str(bg), "OUT": str(out), "PROFILE": "cpu-tiny",
            "LAYERTAP_CACHE": str(tmp_path / "cache"), "INSTALL_WAIT_S": "300",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
@@ -74,7 +75,7 @@ def test_detached_loop_waits_for_install_and_reports(tmp_path: Path) -> None:
 
 def test_install_never_comes(tmp_path: Path) -> None:
     home, bg, out = tmp_path / "home", tmp_path / "bg", tmp_path / "out"
-    home.mkdir()
+    (home / "vllm-bundle").mkdir(parents=True)
     env = {**os.environ, "HOME": str(home), "BG_DIR": str(bg), "OUT": str(out), "PROFILE": "cpu-tiny",
            "LAYERTAP_CACHE": str(tmp_path / "cache"), "INSTALL_WAIT_S": "2",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
@@ -91,7 +92,7 @@ def test_target_runs_before_the_install_only_when_the_run_has_it(tmp_path: Path,
     """The driver that `start` writes: the target stage (no vLLM needed) runs ahead of the install only when
     the run's stages include it; the main run gets the arguments as given (the last --stages wins)."""
     home, bg = tmp_path / "home", tmp_path / "bg"
-    home.mkdir()
+    (home / "vllm-bundle").mkdir(parents=True)
     env = {**os.environ, "HOME": str(home), "BG_DIR": str(bg), "OUT": str(tmp_path / "out"), "PROFILE": "cpu-tiny",
            "LAYERTAP_CACHE": str(tmp_path / "cache"), "INSTALL_WAIT_S": "1",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
@@ -103,3 +104,19 @@ def test_target_runs_before_the_install_only_when_the_run_has_it(tmp_path: Path,
     assert len(main) == 1, driver
     given = main[0].split("gpu_loop.sh", 1)[1].split(";", 1)[0]
     assert shlex.split(given) == list(args), main[0]
+
+
+def test_no_bundle_no_wait(tmp_path: Path) -> None:
+    """On a machine that has vLLM installed (no bundle being delivered), the loop starts at once: it does not
+    wait for the bundle's install marker, which would never come."""
+    home, bg, out = tmp_path / "home", tmp_path / "bg", tmp_path / "out"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home), "BG_DIR": str(bg), "OUT": str(out), "PROFILE": "cpu-tiny",
+           "LAYERTAP_CACHE": str(tmp_path / "cache"), "INSTALL_WAIT_S": "300",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    assert _run(env, "start", "--stages", "report").returncode == 0
+    done = _run(env, "wait", "100")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ended with status 0" in done.stdout and "not installed" not in done.stdout
+    assert not (home / "vllm-site").exists()
+    assert (out / "gpu_loop.json").stat().st_size > 0
