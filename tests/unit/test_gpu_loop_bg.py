@@ -25,6 +25,16 @@ def _run(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.Co
                           timeout=timeout)
 
 
+def _env(tmp_path: Path, install_wait_s: int, *, bundle: bool) -> dict[str, str]:
+    """The environment of a run under tmp_path (home, bg, out, cache); ``bundle``: a vLLM bundle is being
+    delivered ($HOME/vllm-bundle exists, as on the lent machine)."""
+    home = tmp_path / "home"
+    (home / "vllm-bundle" if bundle else home).mkdir(parents=True)
+    return {**os.environ, "HOME": str(home), "BG_DIR": str(tmp_path / "bg"), "OUT": str(tmp_path / "out"),
+            "PROFILE": "cpu-tiny", "LAYERTAP_CACHE": str(tmp_path / "cache"), "INSTALL_WAIT_S": str(install_wait_s),
+            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+
+
 @pytest.fixture(autouse=True)
 def _stop_detached_driver(tmp_path: Path):
     """The driver runs in a process session of its own, outside pytest's children: stop it after a test,
@@ -40,10 +50,7 @@ def _stop_detached_driver(tmp_path: Path):
 
 def test_detached_loop_waits_for_install_and_reports(tmp_path: Path) -> None:
     home, bg, out = tmp_path / "home", tmp_path / "bg", tmp_path / "out"
-    (home / "vllm-bundle").mkdir(parents=True)  # a bundle is being delivered, as on the lent machine
-    env = {**os.environ, "HOME": str(home), "BG_DIR": str(bg), "OUT": str(out), "PROFILE": "cpu-tiny",
-           "LAYERTAP_CACHE": str(tmp_path / "cache"), "INSTALL_WAIT_S": "300",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = _env(tmp_path, 300, bundle=True)  # a bundle is being delivered, as on the lent machine
     assert _run(env, "wait", "1").returncode == 3  # nothing started yet: said by name, not a hang
 
     started = _run(env, "start", "--stages", "report")
@@ -74,11 +81,7 @@ def test_detached_loop_waits_for_install_and_reports(tmp_path: Path) -> None:
 
 
 def test_install_never_comes(tmp_path: Path) -> None:
-    home, bg, out = tmp_path / "home", tmp_path / "bg", tmp_path / "out"
-    (home / "vllm-bundle").mkdir(parents=True)
-    env = {**os.environ, "HOME": str(home), "BG_DIR": str(bg), "OUT": str(out), "PROFILE": "cpu-tiny",
-           "LAYERTAP_CACHE": str(tmp_path / "cache"), "INSTALL_WAIT_S": "2",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = _env(tmp_path, 2, bundle=True)
     assert _run(env, "start", "--stages", "report").returncode == 0
     r = _run(env, "wait", "60")
     assert r.returncode == 2, r.stdout + r.stderr
@@ -91,11 +94,8 @@ def test_install_never_comes(tmp_path: Path) -> None:
 def test_target_runs_before_the_install_only_when_the_run_has_it(tmp_path: Path, args, first) -> None:
     """The driver that `start` writes: the target stage (no vLLM needed) runs ahead of the install only when
     the run's stages include it; the main run gets the arguments as given (the last --stages wins)."""
-    home, bg = tmp_path / "home", tmp_path / "bg"
-    (home / "vllm-bundle").mkdir(parents=True)
-    env = {**os.environ, "HOME": str(home), "BG_DIR": str(bg), "OUT": str(tmp_path / "out"), "PROFILE": "cpu-tiny",
-           "LAYERTAP_CACHE": str(tmp_path / "cache"), "INSTALL_WAIT_S": "1",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    bg = tmp_path / "bg"
+    env = _env(tmp_path, 1, bundle=True)
     # the install marker never comes and the wait is 1 s: the driver stops by name, the fixture kills the rest
     assert _run(env, "start", *args).returncode == 0
     driver = (bg / "driver.sh").read_text()
@@ -109,11 +109,8 @@ def test_target_runs_before_the_install_only_when_the_run_has_it(tmp_path: Path,
 def test_no_bundle_no_wait(tmp_path: Path) -> None:
     """On a machine that has vLLM installed (no bundle being delivered), the loop starts at once: it does not
     wait for the bundle's install marker, which would never come."""
-    home, bg, out = tmp_path / "home", tmp_path / "bg", tmp_path / "out"
-    home.mkdir()
-    env = {**os.environ, "HOME": str(home), "BG_DIR": str(bg), "OUT": str(out), "PROFILE": "cpu-tiny",
-           "LAYERTAP_CACHE": str(tmp_path / "cache"), "INSTALL_WAIT_S": "300",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    home, out = tmp_path / "home", tmp_path / "out"
+    env = _env(tmp_path, 300, bundle=False)
     assert _run(env, "start", "--stages", "report").returncode == 0
     done = _run(env, "wait", "100")
     assert done.returncode == 0, done.stdout + done.stderr
