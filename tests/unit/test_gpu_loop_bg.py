@@ -1,8 +1,8 @@
 """scripts/gpu_loop_bg.sh: the loop started in its own process session outlives the call that started it,
 waits for vLLM's install marker before the stages that need it, and `wait` reports 75 while it runs, then the
 loop's own status, with the results copied out. Without a bundle being delivered ($HOME/vllm-bundle) it
-waits for nothing: a machine with vLLM installed runs the loop at once. Real processes; the cpu-tiny profile's report stage stands
-in for the loop's stages (it needs no engine)."""
+waits for nothing: a machine with vLLM installed runs the loop at once. Real processes; the cpu-tiny
+profile's report stage stands in for the loop's stages (it needs no engine)."""
 
 from __future__ import annotations
 
