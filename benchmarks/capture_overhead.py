@@ -15,6 +15,9 @@ Variants (``--variants``; the ratio column is ``capture`` over ``plain``, the ot
     capture            layertap capture (default: hook path, vLLM's default scheduling, records written in
                        place in the shm pool and committed on the device: a commit word copied after each
                        payload, no engine thread waits for the copies)
+    capture-raw        the capture engine and transport of ``capture``, driven like plain (no Tap loop, no
+                       proof; a thread takes the records off the transport): capture / capture-raw is the
+                       Tap's share of the gap, capture-raw / plain the engine's and the record path's
     capture-hostcommit capture whose writer thread waits for each step's copies and commits the records on
                        the CPU (the record path before the device commit)
     capture-piecewise  capture with vLLM's fallback to PIECEWISE CUDA graphs (connector option
@@ -143,6 +146,8 @@ class Timeline:
             area += level * (t_next - t)
         return {"occupancy": area / (ev[-1][0] - ev[0][0]) / inflight,
                 "latency_ms": 1e3 * statistics.median(self.latencies),
+                "latency_mean_ms": 1e3 * statistics.fmean(self.latencies),  # a median hides stalls; the mean does not
+                "latency_p90_ms": 1e3 * sorted(self.latencies)[int(0.9 * (len(self.latencies) - 1))],
                 "per_output": statistics.median(self.per_output)}
 
 
@@ -289,6 +294,60 @@ class Capture:
         self.tap.close()
 
 
+class CaptureRaw(Capture):
+    """The capture engine of ``capture`` (the same Tap, so the same engine and transport), driven request by
+    request like ``plain`` and ``floor`` (``drive``), with a thread that takes each committed record off the
+    transport and releases it. Records are counted, not proven. Set beside ``capture`` it splits capture's
+    gap into the engine's (this variant) and the Tap's driving and proof (capture over this)."""
+
+    def __init__(self, model, data, args, **extra):
+        super().__init__(model, data, args, **extra)
+        from layertap.engine.connector import PARAMS_KEY
+
+        self.data, self.n_req = data, 0
+        sp = self.sp if self.sp is not None else gen_params(args)
+
+        def params_for(i):
+            self.n_req += 1
+            p = sp.clone()
+            p.extra_args = {"kv_transfer_params": {PARAMS_KEY: {"index": i, "mode": self.mode, "run": self.tap.run}}}
+            return p
+
+        self.params_for = params_for
+
+    def rate(self, inflight: int, data=None) -> float:
+        import threading
+
+        data = self.data if data is None else data
+        got, stop, errors = [0], threading.Event(), []
+
+        def drain():
+            try:
+                while not stop.is_set() or got[0] < len(data):
+                    for rec in self.tap.source.poll(timeout=0.05):
+                        got[0] += 1
+                        rec.release()
+                    if stop.is_set() and time.monotonic() > deadline:
+                        return
+            except Exception as e:  # reported by the caller
+                errors.append(e)
+
+        deadline = float("inf")
+        th = threading.Thread(target=drain, name="capture-raw-drain", daemon=True)
+        th.start()
+        t0 = time.perf_counter()
+        try:
+            n = drive(self.tap.llm.llm_engine, data, inflight, self.params_for)
+        finally:
+            deadline = time.monotonic() + 60
+            stop.set()
+            th.join()
+        dt = time.perf_counter() - t0  # the records are all in when the drain thread ends
+        if errors or got[0] != len(data):
+            raise SystemExit(f"capture-raw: {got[0]} records for {len(data)} requests {errors[:1]}")
+        return n / dt
+
+
 def profiler_kwargs(args, variant: str) -> dict:
     """Engine kwargs that let ``--profile-dir`` profile this engine later (nothing runs until asked)."""
     if not args.profile_dir:
@@ -305,6 +364,7 @@ VARIANTS = {
     "plain": lambda m, d, a: Plain(m, d, a, **profiler_kwargs(a, "plain")),
     "floor": lambda m, d, a: Floor(m, d, a, **profiler_kwargs(a, "floor")),
     "capture": lambda m, d, a: Capture(m, d, a, **profiler_kwargs(a, "capture")),
+    "capture-raw": lambda m, d, a: CaptureRaw(m, d, a, **profiler_kwargs(a, "capture-raw")),
     "capture-hostcommit": lambda m, d, a: Capture(m, d, a, connector_options={"device_commit": False},
                                                   **profiler_kwargs(a, "capture-hostcommit")),
     "capture-piecewise": lambda m, d, a: Capture(m, d, a, connector_options={"full_graphs": False},
@@ -366,6 +426,7 @@ def measure(variants: list[str], model, data, args) -> dict[str, dict]:
                     tl = seen[v][b][-1]
                     print(f"  round {rnd + 1}/{args.repeats} in-flight {b:>3} {v:>22}: {out[v][b][-1]:>10.0f} tok/s"
                           + (f"  (occupancy {tl['occupancy']:.2f}, latency {tl['latency_ms']:.1f} ms, "
+                             f"mean {tl['latency_mean_ms']:.1f}, p90 {tl['latency_p90_ms']:.1f}, "
                              f"{tl['per_output']:.0f} per output)" if tl else ""), flush=True)
         profiles = profile_engines(runners, data, args) if args.profile_dir else {}
         return {"rates": out, "timeline": seen, "profiles": profiles}
@@ -534,18 +595,20 @@ def main() -> None:
 
 def print_timeline(timeline: dict[str, dict[int, list[dict]]], args) -> None:
     """Medians over rounds of the driver-side timeline (see ``Timeline``)."""
-    print("\ndriver's view (median over rounds): occupancy of the in-flight target / request latency ms / "
-          "requests finished per engine output")
-    print(f"{'in-flight':>9}" + "".join(f" {v:>26}" for v in args.variants))
+    print("\ndriver's view (median over rounds): occupancy of the in-flight target / request latency ms, median "
+          "and mean / requests finished per engine output")
+    print(f"{'in-flight':>9}" + "".join(f" {v:>34}" for v in args.variants))
     for b in args.batch_sizes:
         line = f"{b:>9}"
         for v in args.variants:
             tls = [t for t in timeline.get(v, {}).get(b, []) if t]
             if not tls:
-                line += f" {'-':>26}"
+                line += f" {'-':>34}"
                 continue
-            med = {k: statistics.median(t[k] for t in tls) for k in ("occupancy", "latency_ms", "per_output")}
-            line += f" {med['occupancy']:>8.2f} {med['latency_ms']:>9.1f} {med['per_output']:>7.1f}"
+            med = {k: statistics.median(t[k] for t in tls)
+                   for k in ("occupancy", "latency_ms", "latency_mean_ms", "per_output")}
+            line += (f" {med['occupancy']:>8.2f} {med['latency_ms']:>9.1f} {med['latency_mean_ms']:>7.1f} "
+                     f"{med['per_output']:>7.1f}")
         print(line)
 
 

@@ -123,6 +123,9 @@ def parse(argv):
     ap.add_argument("--profile", type=lambda s: s.split(","), default=[],
                     help="also cProfile these variants' steps (comma-separated)")
     ap.add_argument("--profile-top", type=int, default=40)
+    ap.add_argument("--diff", type=lambda s: s.split(","), default=[],
+                    help="variants whose per-function own time per step (cProfile) is printed against plain's, "
+                         "largest excess first: where a variant's extra CPU per step goes, vLLM's frames included")
     ap.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
                     help="comma-separated capture_overhead variants, plain first (e.g. plain,floor,capture-piecewise)")
     a = ap.parse_args(argv)
@@ -180,15 +183,24 @@ def child(variant: str, argv: list[str], conn) -> None:
                 for bb in a.inflight:
                     runner.rate(bb)
                 clock.around = None
-                conn.send(profile_text(prof, clock.n, a))
+                if b == "raw":  # per-function (calls, own s, cumulative s) per step, for --diff
+                    st = pstats.Stats(prof)
+                    conn.send({f"{_short(fn)}:{line}({name})": (nc / clock.n, tt / clock.n, ct / clock.n)
+                               for (fn, line, name), (cc, nc, tt, ct, _) in st.stats.items()})
+                else:
+                    conn.send(profile_text(prof, clock.n, a))
     finally:
         runner.close()
+
+
+def _short(fn: str) -> str:
+    return fn.split("/site-packages/")[-1].split("/work/main/")[-1]
 
 
 def profile_text(prof, n1: int, a) -> str:
     st = pstats.Stats(prof)
     lines = [f"cProfile: {n1} steps ({'+'.join(map(str, a.inflight))} in flight); per step: calls, own us, cumulative us"]
-    short = lambda fn: fn.split("/site-packages/")[-1].split("/work/main/")[-1]
+    short = _short
     rows = []
     for (fn, line, name), (cc, nc, tt, ct, _) in st.stats.items():
         if any(r in fn for r in ROOTS) or "connector" in name:
@@ -201,6 +213,18 @@ def profile_text(prof, n1: int, a) -> str:
     for ct, nc, tt, where in top:
         lines.append(f"  {nc / n1:7.2f} {1e6 * tt / n1:9.1f} {1e6 * ct / n1:9.1f}  {where}")
     return "\n".join(lines)
+
+
+def print_diff(plain: dict, var: dict, name: str, top: int) -> None:
+    """Functions by how much more own time per step they take in ``name`` than in plain (cProfile, both
+    engines over the same requests): where the variant's extra per-step CPU goes, vLLM's frames included."""
+    keys = set(plain) | set(var)
+    zero = (0.0, 0.0, 0.0)
+    rows = sorted(((var.get(k, zero)[1] - plain.get(k, zero)[1], k) for k in keys), reverse=True)
+    total = sum(d for d, _ in rows)
+    print(f"\n{name} - plain, own time per step under cProfile (us; total {1e6 * total:+.0f}); calls per step plain -> {name}:")
+    for d, k in rows[:top]:
+        print(f"  {1e6 * d:+8.1f}  {plain.get(k, zero)[0]:6.1f} -> {var.get(k, zero)[0]:6.1f}  {k}")
 
 
 def main() -> None:
@@ -270,6 +294,13 @@ def main() -> None:
         for v in a.profile:
             conns[v].send(("profile", 0))
             print(f"\n{v}: " + recv(v))
+        if a.diff:
+            raw = {}
+            for v in ["plain"] + [x for x in a.diff if x != "plain"]:
+                conns[v].send(("profile", "raw"))
+                raw[v] = recv(v)
+            for v in [x for x in a.diff if x != "plain"]:
+                print_diff(raw["plain"], raw[v], v, a.profile_top)
     finally:
         for v, c in conns.items():
             try:

@@ -237,6 +237,9 @@ def main() -> None:
                     help="start no round that would end past this many seconds from this script's start (rounds of every concurrency are "
                          "kept whole; the summary is over the rounds done); the raw rounds are written to --json "
                          "after each round, so a run stopped from outside still leaves them")
+    ap.add_argument("--gpu-build", action="store_true",
+                    help="make the random model's weights on the GPU and save them in --dtype (large shapes: an "
+                         "8B-shaped model builds in seconds there, in minutes on the CPU)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.prompts, args.prompt_len = 1, args.input_len

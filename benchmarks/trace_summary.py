@@ -68,6 +68,12 @@ def summarize(path: Path, requests: int = 1, top: int = 12) -> dict:
             ops[e["name"]] += e["dur"]
     n = max(1, requests)
     ms = 1e-3 / n  # microseconds in the trace -> ms per request
+    # vLLM's per-step annotation (execute_context_<reqs>(<tokens>)_generation_...): how many steps a request
+    # cost, empty ones (execute_context_0(0)_generation_0(0): a step that only hands finished request ids
+    # on) apart, and how long the engine sat between steps (window minus the steps' union)
+    step_ivs = [(e["ts"], e["ts"] + e["dur"]) for e in events
+                if e.get("cat") in ("cpu_op", "user_annotation") and e["name"].startswith("execute_context")]
+    empty = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation") and e["name"].startswith("execute_context_0(0)_generation_0(0)")]
     return {
         "trace": Path(path).name, "requests": requests, "window_ms_per_request": window * ms,
         "gpu_busy_fraction": _union([iv for ivs in per_stream.values() for iv in ivs]) / window if window else 0.0,
@@ -80,6 +86,10 @@ def summarize(path: Path, requests: int = 1, top: int = 12) -> dict:
         "cpu_threads_busy_ms_per_request": {t: _union(ivs) * ms for t, ivs in
                                             sorted(threads.items(), key=lambda kv: -_union(kv[1]))[:6]},
         "top_cpu_ops_ms_per_request": {k: v * ms for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:top]},
+        "steps_per_request": len(step_ivs) / n,
+        "empty_steps_per_request": len(empty) / n,
+        "empty_step_ms_per_request": sum(e["dur"] for e in empty) * ms,
+        "between_steps_ms_per_request": (window - _union(step_ivs)) * ms if step_ivs else None,
     }
 
 
@@ -98,6 +108,11 @@ def compare(summaries: dict[str, dict]) -> str:
         lines.append(f"{label:<44}" + "".join(vals))
 
     row("window ms", lambda s: s["window_ms_per_request"])
+    row("busiest CPU thread ms", lambda s: max(s["cpu_threads_busy_ms_per_request"].values()))
+    row("engine steps", lambda s: s["steps_per_request"])
+    row("empty steps", lambda s: s["empty_steps_per_request"])
+    row("empty steps ms", lambda s: s["empty_step_ms_per_request"])
+    row("between steps ms (engine outside a step)", lambda s: s["between_steps_ms_per_request"])
     row("GPU busy fraction", lambda s: s["gpu_busy_fraction"])
     row("kernels", lambda s: s["kernels_per_request"])
     keys = sorted({k for s in summaries.values() for k in s.get("copies", {})})

@@ -23,6 +23,9 @@
 #                                      # SERVE_ROUNDS (3) interleaved rounds;
 #                                      # SERVE_DEADLINE: no round starts that would end past it, s from the
 #                                      # benchmark's start; leave ~60 s for the HF check after the rounds)
+#   bash scripts/gpu_check.sh models  # build the benchmark models on the GPU (needs no vLLM: run it while the
+#                                      # bundle installs): the bench shape and the 8B-shaped one (hidden 4096,
+#                                      # 32 layers), random bf16 weights, as --gpu-build makes them
 #   bash scripts/gpu_check.sh profile     # py-spy over PROFILE_VARIANTS (plain capture) at PROFILE_INFLIGHT (1):
 #                                          # where a request's time goes, per process and thread; PROFILE_ARGS
 #                                          # override the workload (e.g. "--prompt-len 512 --max-tokens 256":
@@ -50,6 +53,13 @@ shm_gb=$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)
 bench_transport="--transport shm --slot-mb 17"
 [ "$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)" -lt 12 ] && bench_transport="--transport file --out /tmp/lt-bench"
 rc=0
+if [ "$phase" = models ]; then  # no vLLM needed (capture_overhead imports it only to run engines)
+  for shape in "--hidden 2048 --num-layers 16" "--hidden 4096 --num-layers 32"; do
+    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import capture_overhead as co; \
+print(co.build_model(co.parse_args(sys.argv[1:])))" $shape --head-dim 128 --vocab 2048 --dtype bfloat16 --gpu-build
+    rc=$(( rc | $? ))
+  done
+fi
 if [ "$phase" = startup ]; then  # first thing on a bare machine: engine starts under the watchdog
   if ! command -v py-spy >/dev/null; then  # the watchdog's report then carries native stacks of plain engines
     pip install --target /tmp/pyspy .gpubundle/py_spy-*.whl -q >/dev/null 2>&1 && export PATH=/tmp/pyspy/bin:$PATH

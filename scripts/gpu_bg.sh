@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Any GPU job (a shell command line) as ONE uninterrupted run on the lent GPU machine, outliving the device
+# calls that watch it (the same scheme as scripts/gpu_loop_bg.sh, for benchmarks rather than the loop):
+#   call 1 (carry .gpubundle/p00_00): mkdir -p $HOME/vllm-bundle && mv .gpubundle/p00_00 $HOME/vllm-bundle/ &&
+#          bash scripts/gpu_bg.sh start 'COMMAND LINE' && bash scripts/gpu_bg.sh wait 5
+#   call 2 (carry the rest of the bundle): ... && bash .gpubundle/install-on-device.sh && bash scripts/gpu_bg.sh wait 480
+#   calls 3..: bash scripts/gpu_bg.sh wait 560     (exit 75: still running, call again at once)
+# The command runs in its own process session with OUT=$BG/out; before it, PRE (a command line that needs no
+# vLLM, e.g. building the benchmark models on the GPU) runs at once, and then, where a bundle is being
+# delivered ($HOME/vllm-bundle exists), the job waits for its install (INSTALL_WAIT_S, 900 s) and stops by
+# name if it never comes. `wait N` prints the job's new log lines for at most N s and copies $BG/out into
+# $OUT. Exit: the job's status once it ended, 75 while it runs, 3 when none was started.
+# Settings: BG_DIR (/tmp/gpu_bg), PRE, INSTALL_WAIT_S.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BG=${BG_DIR:-/tmp/gpu_bg}
+OUT=${OUT:-$PWD/gpu-results}
+cmd=${1:-}; shift || true
+if [ "$cmd" = start ]; then
+  [ $# -eq 1 ] || { echo "usage: bash scripts/gpu_bg.sh start 'COMMAND LINE'"; exit 2; }
+  mkdir -p "$BG/out"
+  if [ -f "$BG/pid" ] && kill -0 "$(cat "$BG/pid")" 2>/dev/null; then echo "already running: pid $(cat "$BG/pid")"; exit 0; fi
+  rm -f "$BG/rc"
+  {
+    printf 'cd %q\n' "$PWD"
+    printf 'export OUT=%q\n' "$BG/out"
+    printf 'PRE=%q\nJOB=%q\nWAIT_S=%q\n' "${PRE:-}" "$1" "${INSTALL_WAIT_S:-900}"
+    cat <<'EOF'
+t0=$(date +%s); rc=0
+if [ -n "$PRE" ]; then echo "gpu_bg: pre: $PRE"; bash -c "$PRE"; rc=$?; fi
+if [ $rc = 0 ] && [ -d "$HOME/vllm-bundle" ]; then  # a bundle being delivered: wait for its install
+  while [ ! -f "$HOME/vllm-site/.installed" ] && [ $(( $(date +%s) - t0 )) -lt "$WAIT_S" ]; do sleep 2; done
+  [ -f "$HOME/vllm-site/.installed" ] || { echo "gpu_bg: vLLM not installed after $WAIT_S s; stopping"; rc=2; }
+fi
+if [ $rc = 0 ]; then echo "gpu_bg: job: $JOB"; bash -c "$JOB"; rc=$?; fi
+echo "gpu_bg: the job ended with status $rc"
+EOF
+    printf 'echo $rc > %q\n' "$BG/rc"
+  } > "$BG/driver.sh"
+  setsid nohup bash "$BG/driver.sh" > "$BG/driver.log" 2>&1 < /dev/null &
+  echo $! > "$BG/pid"
+  echo "gpu_bg: started pid $(cat "$BG/pid"), log $BG/driver.log"
+  exit 0
+fi
+if [ "$cmd" = wait ]; then
+  [ -f "$BG/driver.log" ] || { echo "gpu_bg: no job started in $BG"; exit 3; }
+  limit=${1:-560}; t0=$(date +%s); shown=0
+  show() {  # the log's new lines, without vLLM's own
+    local n; n=$(wc -l < "$BG/driver.log")
+    [ "$n" -gt "$shown" ] && sed -n "$((shown + 1)),${n}p" "$BG/driver.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|^(APIServer"
+    shown=$n
+  }
+  while [ ! -f "$BG/rc" ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do show; sleep 3; done
+  show
+  mkdir -p "$OUT" && cp -r "$BG/out/." "$OUT/" && cp "$BG/driver.log" "$OUT/gpu_bg.log"
+  if [ -f "$BG/rc" ]; then exit "$(cat "$BG/rc")"; fi
+  echo "gpu_bg: still running after ${limit} s of this call (call wait again)"; exit 75
+fi
+echo "usage: bash scripts/gpu_bg.sh start 'COMMAND LINE' | wait SECONDS"; exit 2

@@ -1,0 +1,76 @@
+"""scripts/gpu_bg.sh: a job started in its own process session outlives the call that started it; its PRE
+step runs at once, the job itself only after vLLM's install marker where a bundle is being delivered;
+`wait` reports 75 while it runs, then the job's own status, with $BG/out copied out. Real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "gpu_bg.sh"
+
+
+def _run(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _env(tmp_path: Path, *, bundle: bool, install_wait_s: int = 120, pre: str = "") -> dict[str, str]:
+    home = tmp_path / "home"
+    (home / "vllm-bundle" if bundle else home).mkdir(parents=True)
+    return {**os.environ, "HOME": str(home), "BG_DIR": str(tmp_path / "bg"), "OUT": str(tmp_path / "out"),
+            "INSTALL_WAIT_S": str(install_wait_s), "PRE": pre}
+
+
+@pytest.fixture(autouse=True)
+def _stop_detached_driver(tmp_path: Path):
+    yield
+    pid_file = tmp_path / "bg" / "pid"
+    if pid_file.exists():
+        try:
+            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_job_waits_for_install_then_reports_its_status(tmp_path: Path) -> None:
+    env = _env(tmp_path, bundle=True, pre='echo built > "$OUT/pre.txt"')
+    assert _run(env, "wait", "1").returncode == 3  # nothing started: said, not a hang
+    job = 'echo "a b" > "$OUT/job.txt"; exit 4'  # quoting survives; the job's own status comes back
+    started = _run(env, "start", job)
+    assert started.returncode == 0, started.stdout + started.stderr
+    pid = int((tmp_path / "bg" / "pid").read_text())
+    assert os.getsid(pid) == pid  # a session of its own: a device call's end does not stop it
+    waiting = _run(env, "wait", "2")
+    assert waiting.returncode == 75, waiting.stdout
+    out = tmp_path / "out"
+    assert (out / "pre.txt").read_text() == "built\n"  # PRE ran without vLLM
+    assert not (out / "job.txt").exists()  # the job waits for the install marker
+    (tmp_path / "home" / "vllm-site").mkdir()
+    (tmp_path / "home" / "vllm-site" / ".installed").touch()
+    done = _run(env, "wait", "30")
+    assert done.returncode == 4, done.stdout
+    assert (out / "job.txt").read_text() == "a b\n"
+    assert "the job ended with status 4" in (out / "gpu_bg.log").read_text()
+
+
+def test_no_bundle_runs_at_once_and_a_missing_install_is_named(tmp_path: Path) -> None:
+    env = _env(tmp_path / "a", bundle=False)
+    assert _run(env, "start", 'echo ok > "$OUT/x"').returncode == 0
+    assert _run(env, "wait", "30").returncode == 0
+    assert (tmp_path / "a" / "out" / "x").read_text() == "ok\n"
+    env = _env(tmp_path / "b", bundle=True, install_wait_s=1)
+    assert _run(env, "start", "true").returncode == 0
+    res = _run(env, "wait", "30")
+    assert res.returncode == 2 and "vLLM not installed after 1 s" in res.stdout
+
+
+def test_start_needs_one_command_line(tmp_path: Path) -> None:
+    env = _env(tmp_path, bundle=False)
+    assert _run(env, "start").returncode == 2
+    assert _run(env, "start", "a", "b").returncode == 2
