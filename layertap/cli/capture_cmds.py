@@ -53,6 +53,12 @@ def register(sub) -> None:
     v.add_argument("--model", default=None, help="model directory (default: the one recorded in the dataset)")
     v.add_argument("--threshold", type=float, default=0.999, help="min cosine per token and layer (fp32: 0.999)")
     v.add_argument("--limit", type=int, default=None, help="verify only the first N records")
+    v.add_argument("--noise", default="auto", choices=("auto", "off", "bfloat16", "float16"),
+                   help="noise floor for half-precision records: HF also runs in this dtype and each layer may "
+                        "drift from the fp32 reference up to --noise-factor x HF's own drift (auto: the records' "
+                        "dtype when bf16/fp16; deep bf16 models drift below 0.999 by rounding alone)")
+    v.add_argument("--noise-factor", type=float, default=2.0,
+                   help="how many times HF's own half-precision drift a record may show (default 2)")
     v.set_defaults(func=cmd_verify)
 
     d = sub.add_parser("demo", help="build a tiny model, capture the bundled conversations, verify, print a table")
@@ -128,7 +134,8 @@ def cmd_verify(args) -> int:
     if not model:
         print(f"layertap verify: {args.path} names no model; pass --model", file=sys.stderr)
         return 2
-    report = verify_records(ds, model, threshold=args.threshold, limit=args.limit)
+    report = verify_records(ds, model, threshold=args.threshold, limit=args.limit, noise=args.noise,
+                            noise_factor=args.noise_factor)
     print_report(report)
     return 0 if report.ok else 1
 
