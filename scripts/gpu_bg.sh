@@ -10,7 +10,9 @@
 # delivered ($HOME/vllm-bundle exists), the job waits for its install (INSTALL_WAIT_S, 900 s) and stops by
 # name if it never comes. `wait N` prints the job's new log lines for at most N s and copies $BG/out into
 # $OUT. Exit: the job's status once it ended, 75 while it runs, 3 when none was started.
-# Settings: BG_DIR (/tmp/gpu_bg), PRE, INSTALL_WAIT_S.
+# Settings: BG_DIR (/tmp/gpu_bg), PRE, INSTALL_WAIT_S; for `wait`: COPY (names under $BG/out to copy, default
+# all of it: a device call brings back a limited number of files), LOG_NAME (the driver log's name in $OUT,
+# gpu_bg.log). scripts/gpu_loop_bg.sh is this, for the drafter loop.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BG=${BG_DIR:-/tmp/gpu_bg}
@@ -52,7 +54,10 @@ if [ "$cmd" = wait ]; then
   }
   while [ ! -f "$BG/rc" ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do show; sleep 3; done
   show
-  mkdir -p "$OUT" && cp -r "$BG/out/." "$OUT/" && cp "$BG/driver.log" "$OUT/gpu_bg.log"
+  mkdir -p "$OUT"
+  if [ -z "${COPY:-}" ]; then cp -r "$BG/out/." "$OUT/"
+  else for f in $COPY; do [ -e "$BG/out/$f" ] && cp -r "$BG/out/$f" "$OUT/"; done; fi
+  cp "$BG/driver.log" "$OUT/${LOG_NAME:-gpu_bg.log}"
   if [ -f "$BG/rc" ]; then exit "$(cat "$BG/rc")"; fi
   echo "gpu_bg: still running after ${limit} s of this call (call wait again)"; exit 75
 fi

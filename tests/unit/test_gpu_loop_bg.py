@@ -98,10 +98,15 @@ def test_target_runs_before_the_install_only_when_the_run_has_it(tmp_path: Path,
     env = _env(tmp_path, 1, bundle=True)
     # the install marker never comes and the wait is 1 s: the driver stops by name, the fixture kills the rest
     assert _run(env, "start", *args).returncode == 0
-    driver = (bg / "driver.sh").read_text()
-    assert f'if [ "{int(first)}" = 1 ]; then bash scripts/gpu_loop.sh' in driver, driver
-    main = [ln.strip() for ln in driver.splitlines() if ln.strip().startswith("bash scripts/gpu_loop.sh")]
-    assert len(main) == 1, driver
+    # the driver (scripts/gpu_bg.sh) holds the target run as PRE and the loop as JOB
+    pre, job = subprocess.run(["bash", "-c", 'eval "$(grep -E "^(PRE|JOB)=" "$1")"; printf "%s\\0%s" "$PRE" "$JOB"',
+                               "_", str(bg / "driver.sh")], capture_output=True, text=True, check=True).stdout.split("\0")
+    if first:
+        assert pre.startswith("WORK=") and pre.endswith("--stages target") and "bash scripts/gpu_loop.sh" in pre, pre
+    else:
+        assert pre == "", pre
+    main = [ln for ln in job.splitlines() if "bash scripts/gpu_loop.sh" in ln]
+    assert len(main) == 1, job
     given = main[0].split("gpu_loop.sh", 1)[1].split(";", 1)[0]
     assert shlex.split(given) == list(args), main[0]
 
