@@ -5,7 +5,6 @@ step runs at once, the job itself only after vLLM's install marker where a bundl
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 from pathlib import Path
 
@@ -27,15 +26,7 @@ def _env(tmp_path: Path, *, bundle: bool, install_wait_s: int = 120, pre: str = 
             "INSTALL_WAIT_S": str(install_wait_s), "PRE": pre}
 
 
-@pytest.fixture(autouse=True)
-def _stop_detached_driver(tmp_path: Path):
-    yield
-    pid_file = tmp_path / "bg" / "pid"
-    if pid_file.exists():
-        try:
-            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+pytestmark = pytest.mark.usefixtures("stop_detached")  # tests/unit/conftest.py
 
 
 def test_job_waits_for_install_then_reports_its_status(tmp_path: Path) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,17 +34,7 @@ def _env(tmp_path: Path, install_wait_s: int, *, bundle: bool) -> dict[str, str]
             "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
 
 
-@pytest.fixture(autouse=True)
-def _stop_detached_driver(tmp_path: Path):
-    """The driver runs in a process session of its own, outside pytest's children: stop it after a test,
-    passed or failed, so a failing test leaves nothing running on the machine."""
-    yield
-    pid_file = tmp_path / "bg" / "pid"
-    if pid_file.exists():
-        try:
-            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+pytestmark = pytest.mark.usefixtures("stop_detached")  # tests/unit/conftest.py
 
 
 def test_detached_loop_waits_for_install_and_reports(tmp_path: Path) -> None:
