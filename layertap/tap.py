@@ -192,7 +192,7 @@ class Tap:
         # Connector switches (e.g. {"direct": False}: stage rows through pinned buffers instead of writing
         # them into transport memory in place); unknown keys are refused so a typo is not silently ignored.
         opts = dict(kw.pop("connector_options", None) or {})
-        known = {"direct", "writer_queue", "copy_on_writer", "blocking_sync", "device_commit", "full_graphs", "hook_scatter", "quiet_layers"}
+        known = {"direct", "writer_queue", "device_commit", "full_graphs", "hook_scatter", "quiet_layers"}
         if set(opts) - known:
             raise ValueError(f"unknown connector_options {sorted(set(opts) - known)}; known: {', '.join(sorted(known))}")
         extra.update(opts)

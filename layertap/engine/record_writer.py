@@ -58,15 +58,10 @@ class WorkerSide:
         # Records are laid out in transport memory and filled in place when the transport can (shm): on
         # CUDA the device-to-host copy lands in the registered pool, no staging buffer, no host memcpy.
         self.direct = bool(c._extra.get("direct", True)) and not self.compact_cfg
-        # CUDA: who reserves transport memory and queues the host copies. The step thread (default) puts
-        # that work on the engine's critical path; the writer thread takes it off, but then competes with
-        # the step thread for the GIL while the engine launches kernels. Paired on the H200 (RESULTS.md,
-        # 2026-12-01, run N) neither won: writer 0.76/0.72/0.72/0.90 vs step 0.70/0.67/0.74/0.93 of plain
-        # at 1/4/16/64 in flight, within each other's round-to-round range.
-        self.copy_on_writer = bool(c._extra.get("copy_on_writer", False))
-        # The writer waits for host copies sleeping, not spinning (see gpu_gather.copy_to_host); False
-        # exists so the benchmark can compare (variant capture-spin).
-        self.blocking_sync = bool(c._extra.get("blocking_sync", True))
+        # CUDA: the step thread reserves transport memory and queues the host copies. Doing it on the writer
+        # thread instead took it off the engine's critical path but competed with the step thread for the
+        # GIL; paired on the H200 (RESULTS.md, 2026-12-01, run N) neither won, and that variant is gone.
+        # A thread that waits for host copies sleeps (cudaEventBlockingSync), it does not spin.
         # CUDA + a transport that allows it (shm without a payload checksum): each record's commit is a
         # 4-byte copy queued on the copy stream after its payload (gpu_gather rule 5), so no thread of the
         # engine waits for copies or commits records; the writer thread only serves the other paths.
@@ -267,7 +262,8 @@ class WorkerSide:
 
     def _start_copies_cuda(self, jobs: list[SaveJob]) -> None:
         """All records of this step, in one gather per group (by cache block); then their transport memory
-        is reserved and the host copies queued, here or on the writer thread (``copy_on_writer``)."""
+        is reserved and the host copies queued (on the copy stream; the writer thread only waits where the
+        commit is not on the device)."""
         vbytes = self.geo.view_block_size * self.row_bytes
         group: list[SaveJob] = []
         lists: list[list[int]] = []
@@ -293,10 +289,6 @@ class WorkerSide:
         for job in group:
             if job.release:
                 self.released.add(job.req_id)
-        if self.copy_on_writer:
-            # blocks when the writer is behind: the engine slows, nothing drops
-            self.jobs.put(("device", group, spans, rows, gathered, keep, nbytes))
-            return
         reservations: list[Any] = []
         try:
             for job in group:
@@ -305,8 +297,7 @@ class WorkerSide:
             if self.commit_word is not None and all(res is not None for res in reservations):
                 self._copy_and_commit_on_device(rows, spans, dsts, reservations, gathered, nbytes)
                 return
-            hosts, done = copy_to_host(rows, spans, dsts, self.copy_stream, gathered,
-                                       blocking=self.blocking_sync)
+            hosts, done = copy_to_host(rows, spans, dsts, self.copy_stream, gathered)
         except BaseException:
             _abort(reservations)
             self._unstage(nbytes)
@@ -320,7 +311,7 @@ class WorkerSide:
         copies ran); the index's pinned source is held by the caching host allocator until its upload ran.
         A reservation whose slots no device word reached (the copies failed to queue) is aborted by the
         caller; one whose word was queued commits itself."""
-        _, done = copy_to_host(rows, spans, dsts, self.copy_stream, gathered, blocking=self.blocking_sync,
+        _, done = copy_to_host(rows, spans, dsts, self.copy_stream, gathered,
                                commits=[res.commit_target for res in reservations], commit_word=self.commit_word)
         for res in reservations:
             res.handed_to_device()
@@ -365,9 +356,7 @@ class WorkerSide:
             if item is None:
                 return
             try:
-                if item[0] == "device":
-                    self._write_device(*item[1:])
-                elif item[0] == "copied":
+                if item[0] == "copied":
                     self._write_copied(*item[1:])
                 else:
                     self._write_host(*item[1:])
@@ -379,21 +368,6 @@ class WorkerSide:
                 with self.staging:
                     self.staging.notify_all()
                 return
-
-    def _write_device(self, group: list[SaveJob], spans: list[tuple[int, int]], rows: torch.Tensor,
-                      gathered: Any, keep: Any, nbytes: int) -> None:
-        """Reserve the records' transport memory and queue their rows' copies into it (copy_on_writer)."""
-        reservations: list[Any] = []
-        try:
-            for job in group:
-                reservations.append(self._reserve(job))
-            dsts = [res.tensors["hidden_states"] if res is not None else None for res in reservations]
-            hosts, done = copy_to_host(rows, spans, dsts, self.copy_stream, gathered, blocking=self.blocking_sync)
-        except BaseException:
-            _abort(reservations)
-            self._unstage(nbytes)
-            raise
-        self._write_copied(group, hosts, reservations, done, (rows, keep), nbytes)
 
     def _write_copied(self, group: list[SaveJob], hosts: list[torch.Tensor], reservations: list[Any], done: Any,
                       keep: Any, nbytes: int) -> None:
