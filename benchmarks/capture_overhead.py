@@ -304,11 +304,10 @@ class CaptureRaw(Capture):
         super().__init__(model, data, args, **extra)
         from layertap.engine.connector import PARAMS_KEY
 
-        self.data, self.n_req = data, 0
+        self.data = data
         sp = self.sp if self.sp is not None else gen_params(args)
 
         def params_for(i):
-            self.n_req += 1
             p = sp.clone()
             p.extra_args = {"kv_transfer_params": {PARAMS_KEY: {"index": i, "mode": self.mode, "run": self.tap.run}}}
             return p

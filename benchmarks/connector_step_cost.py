@@ -200,15 +200,14 @@ def _short(fn: str) -> str:
 def profile_text(prof, n1: int, a) -> str:
     st = pstats.Stats(prof)
     lines = [f"cProfile: {n1} steps ({'+'.join(map(str, a.inflight))} in flight); per step: calls, own us, cumulative us"]
-    short = _short
     rows = []
     for (fn, line, name), (cc, nc, tt, ct, _) in st.stats.items():
         if any(r in fn for r in ROOTS) or "connector" in name:
-            rows.append((ct, nc, tt, f"{short(fn)}:{line}({name})"))
+            rows.append((ct, nc, tt, f"{_short(fn)}:{line}({name})"))
     for ct, nc, tt, where in sorted(rows, reverse=True)[: a.profile_top]:
         lines.append(f"  {nc / n1:7.2f} {1e6 * tt / n1:9.1f} {1e6 * ct / n1:9.1f}  {where}")
     lines.append("  top cumulative overall:")
-    top = sorted(((ct, nc, tt, f"{short(fn)}:{line}({name})")
+    top = sorted(((ct, nc, tt, f"{_short(fn)}:{line}({name})")
                   for (fn, line, name), (cc, nc, tt, ct, _) in st.stats.items()), reverse=True)[:30]
     for ct, nc, tt, where in top:
         lines.append(f"  {nc / n1:7.2f} {1e6 * tt / n1:9.1f} {1e6 * ct / n1:9.1f}  {where}")

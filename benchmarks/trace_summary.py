@@ -71,9 +71,9 @@ def summarize(path: Path, requests: int = 1, top: int = 12) -> dict:
     # vLLM's per-step annotation (execute_context_<reqs>(<tokens>)_generation_...): how many steps a request
     # cost, empty ones (execute_context_0(0)_generation_0(0): a step that only hands finished request ids
     # on) apart, and how long the engine sat between steps (window minus the steps' union)
-    step_ivs = [(e["ts"], e["ts"] + e["dur"]) for e in events
-                if e.get("cat") in ("cpu_op", "user_annotation") and e["name"].startswith("execute_context")]
-    empty = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation") and e["name"].startswith("execute_context_0(0)_generation_0(0)")]
+    steps = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation") and e["name"].startswith("execute_context")]
+    step_ivs = [(e["ts"], e["ts"] + e["dur"]) for e in steps]
+    empty = [e for e in steps if e["name"].startswith("execute_context_0(0)_generation_0(0)")]
     return {
         "trace": Path(path).name, "requests": requests, "window_ms_per_request": window * ms,
         "gpu_busy_fraction": _union([iv for ivs in per_stream.values() for iv in ivs]) / window if window else 0.0,

@@ -54,6 +54,7 @@ def test_half_precision_rows_pass_on_the_noise_floor_not_the_threshold(model, bf
         # the records are HF's own bf16 rows: exactly at the floor, well inside 2x it
         assert abs(s.min_cos - s.noise_min_cos) < 1e-6
         assert s.allowed_min_cos == pytest.approx(1 - 2 * (1 - s.noise_min_cos))
+        assert s.failed == 0
     print_report(rep)  # the table names the floor's dtype and the allowed cosine
 
 
@@ -70,6 +71,7 @@ def test_the_noise_floor_still_catches_wrong_rows(model, bf16_rows, bug):
     rep = verify_records([_rec(0, prompts[0], h)], model, threshold=STRICT, progress=False)
     assert not rep.ok
     assert "HF's own bfloat16 pass" in rep.failures[0]
+    assert sum(s.failed for s in rep.per_layer.values()) >= 1  # what the report's table marks MISMATCH
 
 
 def test_noise_dtype_choice(bf16_rows):
