@@ -379,7 +379,7 @@ def profile_engines(runners: dict, data, args) -> dict[str, dict]:
 
     out: dict[str, dict] = {}
     for k in args.profile_inflight:
-        n = max(16, 4 * k)
+        n = args.profile_requests or max(16, 4 * k)
         for v, r in runners.items():
             llm = r.llm_handle()
             r.rate(k, data[:n])  # the same shapes once more, unprofiled
@@ -508,6 +508,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="after the rounds, profile each engine (torch profiler, CPU + CUDA) into this directory")
     ap.add_argument("--profile-inflight", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4],
                     help="in-flight targets to profile at (default 1,4)")
+    ap.add_argument("--profile-requests", type=int, default=None,
+                    help="requests per profiled run (default max(16, 4 x in flight); fewer for long decodes)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: "V1,V2:RESULT.json"
     args = ap.parse_args(argv)
     n = args.num_layers
@@ -587,6 +589,11 @@ def main() -> None:
             got = {name: p for name, p in profiles.items() if name.endswith(f"@{k}")}
             print(f"\ntorch profiler, {k} in flight (per request; the worker process):")
             print(trace_summary.compare(got))
+            base = f"plain@{k}"
+            for name in got:
+                if name != base and base in got:  # what each engine runs on the GPU that plain does not
+                    print(f"\nGPU kernels, plain -> {name.split('@')[0]} ({k} in flight):")
+                    print(trace_summary.kernel_diff(got[base], got[name]))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": dev, "args": vars(args), "rows": rows, "hf": hf,
                                                "timeline": timeline, "profiles": profiles}, indent=1))

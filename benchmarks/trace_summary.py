@@ -5,7 +5,9 @@ into the few numbers that tell where an engine step's time goes, per profiled re
 - device-to-host and host-to-device copies: count, bytes, time;
 - CUDA runtime calls on the CPU (launches, async copies, event queries/syncs, stream waits): count, time;
 - CPU threads: busy time (union of their top-level events) per thread;
-- the CPU ops and Python-side ranges that took the most time.
+- the CPU ops and Python-side ranges that took the most time;
+- engine steps by kind (prefill, decode-only, empty) and the GPU kernels that took the most time, so two
+  engines' traces can be diffed kernel by kernel (``kernel_diff``): what one engine adds to a decode step.
 
     python benchmarks/trace_summary.py TRACE.json[.gz] [--requests N]
 """
@@ -35,7 +37,7 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarize(path: Path, requests: int = 1, top: int = 12) -> dict:
+def summarize(path: Path, requests: int = 1, top: int = 12, kernel_top: int = 60) -> dict:
     events = [e for e in _load(Path(path)) if e.get("ph") == "X" and "dur" in e]
     if not events:
         return {"error": f"no complete events in {path}"}
@@ -74,6 +76,11 @@ def summarize(path: Path, requests: int = 1, top: int = 12) -> dict:
     steps = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation") and e["name"].startswith("execute_context")]
     step_ivs = [(e["ts"], e["ts"] + e["dur"]) for e in steps]
     empty = [e for e in steps if e["name"].startswith("execute_context_0(0)_generation_0(0)")]
+    decode = [e for e in steps if e["name"].startswith("execute_context_0(0)_generation_") and e not in empty]
+    kernels: dict[str, float] = collections.defaultdict(float)
+    for e in gpu:
+        if e.get("cat") == "kernel":
+            kernels[_kernel_name(e["name"])] += e["dur"]
     return {
         "trace": Path(path).name, "requests": requests, "window_ms_per_request": window * ms,
         "gpu_busy_fraction": _union([iv for ivs in per_stream.values() for iv in ivs]) / window if window else 0.0,
@@ -90,7 +97,37 @@ def summarize(path: Path, requests: int = 1, top: int = 12) -> dict:
         "empty_steps_per_request": len(empty) / n,
         "empty_step_ms_per_request": sum(e["dur"] for e in empty) * ms,
         "between_steps_ms_per_request": (window - _union(step_ivs)) * ms if step_ivs else None,
+        "decode_steps_per_request": len(decode) / n,
+        "decode_step_ms_median": _median([e["dur"] for e in decode]) * 1e-3 if decode else None,
+        "kernel_ms_per_request": sum(kernels.values()) * ms,
+        "top_kernels_ms_per_request": {k: v * ms for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:kernel_top]},
     }
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+
+def _kernel_name(name: str) -> str:
+    """A kernel's name without its template arguments and parameter list: one row per kernel function."""
+    for cut in ("<", "("):
+        name = name.split(cut, 1)[0]
+    return name.removeprefix("void ").strip()[:90]
+
+
+def kernel_diff(base: dict, other: dict, top: int = 15) -> str:
+    """The kernels whose time per request differs most between two summaries (``other`` minus ``base``),
+    with the totals: what one engine's step runs on the GPU that the other's does not."""
+    a, b = base.get("top_kernels_ms_per_request", {}), other.get("top_kernels_ms_per_request", {})
+    rows = sorted(set(a) | set(b), key=lambda k: -abs(b.get(k, 0.0) - a.get(k, 0.0)))[:top]
+    lines = [f"{'kernel (ms per request)':<92}{'base':>10}{'other':>10}{'diff':>10}",
+             f"{'all kernels':<92}{base.get('kernel_ms_per_request', 0):>10.3f}"
+             f"{other.get('kernel_ms_per_request', 0):>10.3f}"
+             f"{other.get('kernel_ms_per_request', 0) - base.get('kernel_ms_per_request', 0):>+10.3f}"]
+    for k in rows:
+        lines.append(f"{k:<92}{a.get(k, 0.0):>10.3f}{b.get(k, 0.0):>10.3f}{b.get(k, 0.0) - a.get(k, 0.0):>+10.3f}")
+    return "\n".join(lines)
 
 
 def compare(summaries: dict[str, dict]) -> str:
@@ -113,6 +150,9 @@ def compare(summaries: dict[str, dict]) -> str:
     row("empty steps", lambda s: s["empty_steps_per_request"])
     row("empty steps ms", lambda s: s["empty_step_ms_per_request"])
     row("between steps ms (engine outside a step)", lambda s: s["between_steps_ms_per_request"])
+    row("decode steps", lambda s: s["decode_steps_per_request"])
+    row("decode step ms (median, CPU)", lambda s: s["decode_step_ms_median"])
+    row("GPU kernels ms", lambda s: s["kernel_ms_per_request"])
     row("GPU busy fraction", lambda s: s["gpu_busy_fraction"])
     row("kernels", lambda s: s["kernels_per_request"])
     keys = sorted({k for s in summaries.values() for k in s.get("copies", {})})
@@ -132,6 +172,10 @@ def main() -> None:
     sums = {Path(t).name[:18]: summarize(Path(t), args.requests) for t in args.trace}
     print(json.dumps(sums, indent=1))
     print(compare(sums))
+    names = list(sums)
+    for other in names[1:]:
+        print(f"\n{names[0]} -> {other}")
+        print(kernel_diff(sums[names[0]], sums[other]))
 
 
 if __name__ == "__main__":

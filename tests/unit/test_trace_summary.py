@@ -50,3 +50,30 @@ def test_trace_without_step_annotations(tmp_path):
     path.write_text(json.dumps([_ev("aten::mm", 0, 10, cat="cpu_op")]))
     s = trace_summary.summarize(path)
     assert s["steps_per_request"] == 0 and s["between_steps_ms_per_request"] is None
+
+
+def test_decode_steps_and_kernel_diff(tmp_path):
+    # Two decode steps per request; engine b runs one extra kernel (a cache write) per step.
+    def trace(name, extra):
+        events = [_ev("execute_context_1(512)_generation_0(0)", 0, 300),
+                  _ev("execute_context_0(0)_generation_1(1)", 400, 40),
+                  _ev("execute_context_0(0)_generation_1(1)", 500, 60),
+                  _ev("execute_context_0(0)_generation_0(0)", 600, 5),
+                  _ev("void flash_fwd_kernel<Traits, true>(Params)", 10, 100, cat="kernel", tid=99, stream=7),
+                  _ev("void flash_fwd_kernel<Traits, false>(Params)", 410, 30, cat="kernel", tid=99, stream=7),
+                  _ev("void flash_fwd_kernel<Traits, false>(Params)", 510, 30, cat="kernel", tid=99, stream=7)]
+        if extra:
+            events += [_ev("void reshape_and_cache_flash_kernel<bf16>(int*)", 445, 4, cat="kernel", tid=99, stream=7),
+                       _ev("void reshape_and_cache_flash_kernel<bf16>(int*)", 545, 4, cat="kernel", tid=99, stream=7)]
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"traceEvents": events}))
+        return trace_summary.summarize(path)
+
+    a, b = trace("a", False), trace("b", True)
+    assert a["decode_steps_per_request"] == 2.0  # the empty step is not a decode step
+    assert a["decode_step_ms_median"] == 0.05
+    assert a["top_kernels_ms_per_request"] == {"flash_fwd_kernel": 0.16}  # template variants merged
+    assert abs(b["kernel_ms_per_request"] - a["kernel_ms_per_request"] - 0.008) < 1e-12
+    diff = trace_summary.kernel_diff(a, b).splitlines()
+    assert diff[2].split()[0] == "reshape_and_cache_flash_kernel" and diff[2].split()[-1] == "+0.008"
+    assert "decode steps" in trace_summary.compare({"a": a, "b": b})
