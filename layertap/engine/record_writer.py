@@ -24,6 +24,13 @@ from layertap.transport.base import get_transport
 log = logging.getLogger("vllm.layertap")
 
 
+PHASES = ("blocks", "staging", "gather", "reserve", "copies")
+"""The CUDA record path's phases on the step thread: the records' view blocks (``view_blocks_for``); the
+staging bound (``_bound_staging``: waits only when the device copies are behind); the gather (event, index
+upload, gather kernel, the forward stream's wait); the transport reservations (slot claim, header, token
+ids); the host copies and device commits queued on the copy stream."""
+
+
 def _abort(reservations: list[Any]) -> None:
     """Give back transport memory reserved for records that will not be committed."""
     for res in reservations:
@@ -79,6 +86,9 @@ class WorkerSide:
         self.busy_s = 0.0
         self.calls = 0
         self.saved = 0
+        # Where that time goes on CUDA, per phase of a step with records (the close log prints it per record):
+        # a few perf_counter reads per group, so a GPU run's log says which part of the record path to cut.
+        self.phase_s = dict.fromkeys(PHASES, 0.0)
 
     # ---- set-up ----
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -269,7 +279,9 @@ class WorkerSide:
         lists: list[list[int]] = []
         size = 0
         for job in jobs:
+            t0 = time.perf_counter()
             blocks = self._blocks(job)
+            self.phase_s["blocks"] += time.perf_counter() - t0
             if group and size + len(blocks) * vbytes > self.BATCH_BYTES:
                 self._gather_group(group, lists, size)
                 group, lists, size = [], [], 0
@@ -279,12 +291,20 @@ class WorkerSide:
         if group:
             self._gather_group(group, lists, size)
 
+    def _lap(self, phase: str, t0: float) -> float:
+        t = time.perf_counter()
+        self.phase_s[phase] += t - t0
+        return t
+
     def _gather_group(self, group: list[SaveJob], lists: list[list[int]], nbytes: int) -> None:
+        t = time.perf_counter()
         self._bound_staging(nbytes)
+        t = self._lap("staging", t)
         # The forward stream waits for the gather kernel (gpu_gather rule 3), so the blocks are free to be
         # reused as soon as this returns: they are reported done in this very step, and the engine runs no
         # extra steps waiting for the host copy.
         rows, gathered, keep = gather_on_device(self.view, self.geo, lists, self.stream, hold_forward=True)
+        t = self._lap("gather", t)
         spans = spans_of(lists, [job.num_rows for job in group], self.geo.view_block_size)
         for job in group:
             if job.release:
@@ -294,10 +314,13 @@ class WorkerSide:
             for job in group:
                 reservations.append(self._reserve(job, self.commit_word is not None))
             dsts = [res.tensors["hidden_states"] if res is not None else None for res in reservations]
+            t = self._lap("reserve", t)
             if self.commit_word is not None and all(res is not None for res in reservations):
                 self._copy_and_commit_on_device(rows, spans, dsts, reservations, gathered, nbytes)
+                self._lap("copies", t)
                 return
             hosts, done = copy_to_host(rows, spans, dsts, self.copy_stream, gathered)
+            self._lap("copies", t)
         except BaseException:
             _abort(reservations)
             self._unstage(nbytes)
@@ -411,6 +434,10 @@ class WorkerSide:
         if self.calls:
             log.info("layertap worker: %d records started in %d steps; layertap's per-step work took %.3f s "
                      "(%.3f ms per step)", self.saved, self.calls, self.busy_s, 1e3 * self.busy_s / self.calls)
+            if self.saved and any(self.phase_s.values()):
+                log.info("layertap worker: the record path per record (us): %s; other per-step work %.1f us per step",
+                         ", ".join(f"{k} {1e6 * v / self.saved:.1f}" for k, v in self.phase_s.items()),
+                         1e6 * (self.busy_s - sum(self.phase_s.values())) / self.calls)
         if self.writer is not None and self.writer.is_alive():
             self.jobs.put(None)
             self.writer.join(timeout=60)

@@ -64,3 +64,63 @@ def test_failed_commit_aborts_the_records_after_it():
     with pytest.raises(OSError, match="commit 1"):
         w._write_copied(jobs(4), [None] * 4, res, Done(), keep=object(), nbytes=300)
     assert log == [("commit", 0), ("abort", 2)]
+
+
+class _Rows:
+    def record_stream(self, stream):
+        pass
+
+
+class _DevRes:
+    def __init__(self):
+        self.tensors = {"hidden_states": object()}
+        self.commit_target = object()
+        self.handed = False
+
+    def handed_to_device(self):
+        self.handed = True
+
+
+def test_cuda_record_path_times_its_phases(monkeypatch):
+    """The CUDA path's per-phase timers (logged per record at close, so a GPU run says which part of the
+    record path costs the step its time) add up within the step timer. The GPU calls are stand-ins here;
+    tests/gpu runs them for real."""
+    import logging
+
+    from layertap.engine import record_writer as rw
+    from layertap.engine.saves import LayertapMetadata, SaveJob
+
+    monkeypatch.setattr(rw, "gather_on_device", lambda *a, **k: (_Rows(), "gathered", "keep"))
+    monkeypatch.setattr(rw, "copy_to_host", lambda *a, **k: ([], "done"))
+    w = writer()
+    w.staged_bytes = 0
+    w.c = NS(_block_size=16, _extra={})
+    w.geo, w.row_bytes, w.ratio, w.num_manager_blocks = NS(view_block_size=16), 64, 1, 1000
+    w.view, w.stream, w.copy_stream, w.commit_word = None, None, None, "word"
+    w.error, w.released, w.inflight, w.rank0, w.on_cuda, w.skip_reads = None, set(), [], True, True, False
+    w.busy_s, w.calls, w.saved, w.phase_s = 0.0, 0, 0, dict.fromkeys(rw.PHASES, 0.0)
+    w.writer, w.pinned_region, w.sink = None, None, NS(close=lambda: None)
+    made = []
+    w._reserve = lambda job, device: made.append(_DevRes()) or made[-1]
+    import numpy as np
+
+    saves = [SaveJob(f"r{i}", f"k{i}", list(range(4 * i, 4 * i + 4)), np.arange(60), 60, {}) for i in range(3)]
+    assert w.finished(LayertapMetadata(saves=saves)) == {"r0", "r1", "r2"}
+    assert w.finished(LayertapMetadata()) is None
+    assert all(r.handed for r in made) and len(made) == 3 and w.saved == 3
+    assert all(v >= 0 for v in w.phase_s.values()) and w.phase_s["reserve"] > 0
+    assert sum(w.phase_s.values()) <= w.busy_s
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: lines.append(rec.getMessage())
+    logger = logging.getLogger("vllm.layertap")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        w.close()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+    per_record = [ln for ln in lines if "record path per record" in ln]
+    assert len(per_record) == 1 and all(p in per_record[0] for p in rw.PHASES), lines
