@@ -1,0 +1,282 @@
+"""What the record path costs the engine's step thread, without an engine: layertap's real worker code
+(``WorkerSide.finished`` -> gather, transport reservations, host copies, device commits) on a cache view
+shaped like the GPU benchmark's capture layer, writing into a real shm pool (page-locked on CUDA, as in the
+engine), driven step by step with ``records`` finished records per step.
+
+It answers one question the engine runs cannot: of the worker's per-step time (``layertap's per-step work``
+in the engine log, 0.29 ms per step on the H200 at 1 in flight, 2026-12-03), how much is this code itself,
+and in which phase (``record_writer.PHASES``), with nothing else in the process competing for the GIL. With
+``--busy-ms`` a matmul of about that length is queued on the forward stream before every step, so the
+gather waits on it and every CUDA call is made against a busy GPU, as in the engine.
+
+    python benchmarks/record_path_cost.py                                     # CPU: a small view, smoke run
+    python benchmarks/record_path_cost.py --hidden 2048 --rows 1024 --records 1,8 --busy-ms 0,5   # GPU
+
+Prints per configuration the median step time on the step thread, per record, and the phases; between
+steps (untimed) the copies are waited for and the records taken off the pool and proven by token digest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _stand_in_for_vllm() -> None:
+    """The record path needs no engine, and a bare GPU host may have no vLLM: ``saves`` subclasses one vLLM
+    class (the connector metadata base), so where vLLM is missing a plain class stands in for it."""
+    import importlib.util
+    import types
+
+    try:
+        if importlib.util.find_spec("vllm") is not None:
+            return
+    except (ImportError, ValueError):
+        pass
+    parts = "vllm.distributed.kv_transfer.kv_connector.v1.base".split(".")
+    for i in range(1, len(parts) + 1):
+        sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    sys.modules["vllm.distributed.kv_transfer.kv_connector.v1.base"].KVConnectorMetadata = type("KVConnectorMetadata", (), {})
+
+
+_stand_in_for_vllm()
+
+from layertap.engine import record_writer as rw  # noqa: E402
+from layertap.engine.cache_view import kernel_ratio, view_geometry  # noqa: E402
+from layertap.engine.saves import LayertapMetadata, SaveJob  # noqa: E402
+from layertap.records import LAYER_SEMANTICS, token_digest  # noqa: E402
+from layertap.transport.shm import ShmTransport  # noqa: E402
+
+
+def make_worker(view: torch.Tensor, n_planes: int, hidden: int, block_size: int, sink, layer_ids: list[int]):
+    """A ``WorkerSide`` with the state ``register`` gives it, around this view and sink (no vLLM config)."""
+    w = object.__new__(rw.WorkerSide)
+    w.c = SimpleNamespace(_block_size=block_size, _extra={}, _layer_ids=layer_ids)
+    w.geo = view_geometry(tuple(view.shape), n_planes, hidden, plane_axis=2)
+    w.ratio = kernel_ratio(block_size, w.geo.view_block_size)
+    w.num_manager_blocks = w.geo.num_blocks // w.ratio
+    w.view, w.on_cuda, w.rank0, w.skip_reads, w.direct, w.compact_cfg = view, view.is_cuda, True, False, True, None
+    w.dtype_name = str(view.dtype).removeprefix("torch.")
+    w.row_bytes = n_planes * hidden * view.element_size()
+    w.run_meta = {"model": "/tmp/bench", "config_hash": "0" * 16, "vllm_version": "none", "layer_semantics":
+                  LAYER_SEMANTICS, "num_hidden_layers": 16, "hidden_size": hidden, "format_version": 1}
+    w.sink, w.released, w.error = sink, set(), None
+    w.jobs = queue.Queue(maxsize=64)
+    w.staging, w.staged_bytes, w.inflight = threading.Condition(), 0, []
+    w.busy_s, w.calls, w.saved, w.phase_s = 0.0, 0, 0, dict.fromkeys(rw.PHASES, 0.0)
+    w.stream = w.copy_stream = w.commit_word = w.pinned_region = None
+    w.writer = None
+    if view.is_cuda:
+        region = sink.data_region()
+        err = rw.register_host(region)
+        if err is not None:
+            raise SystemExit(f"cannot page-lock the pool: {err}")
+        w.pinned_region = region
+        w.commit_word = sink.commit_word().to(view.device)
+        w.stream, w.copy_stream = torch.cuda.Stream(device=view.device), torch.cuda.Stream(device=view.device)
+    w.writer = threading.Thread(target=w._write_loop, name="layertap-writer", daemon=True)  # the CPU path's
+    w.writer.start()
+    return w
+
+
+def jobs_for(step: int, records: int, rows: int, block_size: int, num_blocks: int, rng: np.random.Generator):
+    need = -(-rows // block_size)
+    out = []
+    for r in range(records):
+        blocks = rng.choice(np.arange(1, num_blocks), size=need, replace=False).tolist()
+        ids = rng.integers(0, 2048, size=rows, dtype=np.int64)
+        key = f"bench:{step}-{r}"
+        meta = {"key": key, "request_id": f"{step}-{r}", "index": step * records + r, "mode": "prompt",
+                "layer_ids": [1, 2, 3, 4], "num_tokens": rows, "num_prompt_tokens": rows,
+                "token_digest": token_digest(ids), "layer_semantics": LAYER_SEMANTICS, "next_token_id": None,
+                "run": "bench"}
+        out.append(SaveJob(f"{step}-{r}", key, blocks, ids, rows, meta))
+    return out
+
+
+def run_config(args, records: int, busy_ms: float, dev: str) -> dict:
+    n_planes, block = args.planes, 16
+    rec_bytes = args.rows * n_planes * args.hidden * 2 + args.rows * 9 + 4096
+    num_blocks = max(4 * records * -(-args.rows // block) + 2, 64)
+    view = torch.randn(num_blocks, block, n_planes, args.hidden, device=dev).to(torch.bfloat16)
+    cfg = ShmTransport.prepare({"slot_bytes": rec_bytes, "num_slots": 2 * records + 2, "checksum": "none"})
+    src, sink = ShmTransport.make_source(cfg), ShmTransport.make_sink(cfg, "bench")
+    w = make_worker(view, n_planes, args.hidden, block, sink, [1, 2, 3, 4])
+    load = None
+    if dev == "cuda" and busy_ms > 0:  # a matmul of about busy_ms on the forward stream before each step
+        n = 4096
+        a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+        reps = max(1, round(busy_ms / (1e3 * (time.perf_counter() - t0) / 10)))
+        load = (a, reps)
+    rng = np.random.default_rng(records)
+    steps, per_phase = [], []
+    try:
+        for step in range(args.warmup + args.iters):
+            jobs = jobs_for(step, records, args.rows, block, num_blocks, rng)
+            if load is not None:
+                for _ in range(load[1]):
+                    load[0] @ load[0]
+            before = dict(w.phase_s)
+            t0 = time.perf_counter()
+            done = w.finished(LayertapMetadata(saves=jobs))
+            dt = time.perf_counter() - t0
+            assert done == {j.req_id for j in jobs}, done
+            if step >= args.warmup:
+                steps.append(dt)
+                per_phase.append({k: w.phase_s[k] - before[k] for k in rw.PHASES})
+            if dev == "cuda":  # untimed: the copies land, the records are taken off and proven
+                torch.cuda.synchronize()
+            got = 0
+            deadline = time.monotonic() + 30
+            while got < records:
+                for rec in src.poll(0.5):
+                    want = next(j for j in jobs if j.key == rec.key)
+                    if token_digest(rec.token_ids.numpy()) != want.meta["token_digest"]:
+                        raise SystemExit(f"record {rec.key}: token digest mismatch")
+                    got += 1
+                    rec.release()
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"step {step}: {got} of {records} records arrived")
+            with w.staging:
+                w._reap()
+    finally:
+        w.jobs.put(None)
+        w.writer.join(timeout=10)
+        if w.pinned_region is not None:
+            torch.cuda.synchronize()
+            rw.unregister_host(w.pinned_region)
+        sink.close()
+        src.close()
+    med = statistics.median(steps)
+    return {"records": records, "busy_ms": busy_ms, "step_us": 1e6 * med, "per_record_us": 1e6 * med / records,
+            "phases_per_record_us": {k: 1e6 * statistics.median(p[k] for p in per_phase) / records for k in rw.PHASES},
+            "rounds": len(steps)}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=None, help="default 2048 on CUDA, 64 on the CPU")
+    ap.add_argument("--rows", type=int, default=None, help="rows per record (default 1024 on CUDA, 64 on the CPU)")
+    ap.add_argument("--planes", type=int, default=4)
+    ap.add_argument("--records", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    ap.add_argument("--busy-ms", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 5.0],
+                    help="GPU work queued on the forward stream before each step (CUDA only)")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--breakdown", action="store_true", help="CUDA: time each call of the gather and the copies")
+    args = ap.parse_args(argv)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.breakdown and dev == "cuda":
+        for k, v in breakdown().items():
+            print(f"{k:<36} {v:8.1f} us", flush=True)
+    args.hidden = args.hidden or (2048 if dev == "cuda" else 64)
+    args.rows = args.rows or (1024 if dev == "cuda" else 64)
+    busy = args.busy_ms if dev == "cuda" else [0.0]
+    print(f"record path on {dev}: {args.rows} rows x {args.planes} planes x {args.hidden} per record, "
+          f"{args.iters} steps per configuration (medians)", flush=True)
+    print(f"{'records':>7} {'GPU busy ms':>11} {'step us':>9} {'per record us':>13}   phases per record (us)")
+    out = []
+    for b in busy:
+        for k in args.records:
+            r = run_config(args, k, b, dev)
+            out.append(r)
+            print(f"{k:>7} {b:>11.1f} {r['step_us']:>9.1f} {r['per_record_us']:>13.1f}   "
+                  + ", ".join(f"{p} {v:.1f}" for p, v in r["phases_per_record_us"].items()), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": dev, "args": vars(args), "rows": out}, indent=1))
+    return out
+
+
+
+def breakdown(iters: int = 200, rows: int = 1024, hidden: int = 2048, planes: int = 4) -> dict[str, float]:
+    """CUDA only: the median time of each call the gather and the copies make (and of the alternatives a
+    leaner path could take), one record of ``rows`` rows per step; microseconds on the calling thread."""
+    from layertap.engine.cache_view import gather_blocks
+
+    dev = torch.device("cuda")
+    view = torch.randn(256, 16, planes, hidden, device=dev).to(torch.bfloat16)
+    geo = view_geometry(tuple(view.shape), planes, hidden, plane_axis=2)
+    blocks = list(range(1, 1 + rows // 16))
+    host = torch.empty(rows, planes, hidden, dtype=torch.bfloat16).pin_memory()
+    word_host = torch.zeros(1, dtype=torch.int32).pin_memory()
+    word = torch.ones(1, dtype=torch.int32, device=dev)
+    side, copy = torch.cuda.Stream(), torch.cuda.Stream()
+    fwd = torch.cuda.current_stream()
+    ring = torch.empty(4096, dtype=torch.int64).pin_memory()
+    ev_pool = [torch.cuda.Event() for _ in range(4)]
+    t: dict[str, list[float]] = {}
+
+    def lap(name: str, t0: float) -> float:
+        now = time.perf_counter()
+        t.setdefault(name, []).append(now - t0)
+        return now
+
+    for i in range(iters + 20):
+        torch.cuda.synchronize()
+        if i == 20:
+            t.clear()
+        c = time.perf_counter()
+        ready = torch.cuda.Event()
+        c = lap("Event()", c)
+        ready.record(fwd)
+        c = lap("event.record", c)
+        side.wait_event(ready)
+        c = lap("stream.wait_event", c)
+        cpu_idx = torch.tensor(blocks, dtype=torch.int64)
+        c = lap("torch.tensor(list)", c)
+        pinned = cpu_idx.pin_memory()
+        c = lap("pin_memory()", c)
+        with torch.cuda.stream(side):
+            c = lap("enter stream ctx", c)
+            dev_idx = pinned.to(dev, non_blocking=True)
+            c = lap("H2D index (pinned)", c)
+            rows_t = gather_blocks(view, geo, dev_idx)
+            c = lap("gather kernel (view[idx])", c)
+        c = lap("exit stream ctx", c)
+        ring[: len(blocks)].numpy()[:] = blocks
+        c = lap("alt: fill a pinned ring (numpy)", c)
+        with torch.cuda.stream(side):
+            ring[: len(blocks)].to(dev, non_blocking=True)
+        c = lap("alt: H2D from the ring", c)
+        torch.index_select(view, 0, dev_idx)
+        c = lap("alt: index_select kernel", c)
+        ev_pool[i % 4].record(side)
+        c = lap("alt: record a pooled event", c)
+        fwd.wait_event(ev_pool[i % 4])
+        c = lap("stream.wait_event (fwd)", c)
+        copy.wait_event(ev_pool[i % 4])
+        c = time.perf_counter()
+        with torch.cuda.stream(copy):
+            host.copy_(rows_t[:rows], non_blocking=True)
+            c = lap("D2H payload copy_", c)
+            word_host.copy_(word, non_blocking=True)
+            c = lap("D2H commit word copy_", c)
+        done = torch.cuda.Event(blocking=True)
+        done.record(copy)
+        c = lap("Event(blocking) + record", c)
+        rows_t.record_stream(copy)
+        c = lap("record_stream", c)
+    torch.cuda.synchronize()
+    return {k: 1e6 * statistics.median(v) for k, v in t.items()}
+
+
+if __name__ == "__main__":
+    main()
