@@ -172,7 +172,9 @@ def gather_blocks(view: torch.Tensor, geo: ViewGeometry, view_blocks: torch.Tens
     """Every row of these view blocks, ``[len(view_blocks) * view_block_size, n_planes, hidden]``, in block
     order (a private copy). One index per block instead of one per token: ``view_blocks_for`` gives the
     blocks of a record, whose rows are then a prefix of the result."""
-    got = view[view_blocks]  # [B, block, planes, hidden] (plane axis 2) or [B, planes, block, hidden] (axis 1)
+    # [B, block, planes, hidden] (plane axis 2) or [B, planes, block, hidden] (axis 1); index_select, not
+    # view[idx]: the same kernel, less dispatch on the engine's step thread (29 against 36 us on the H200 host)
+    got = torch.index_select(view, 0, view_blocks)
     if geo.plane_axis == 1:
         got = got.transpose(1, 2)
     return got.reshape(-1, geo.n_planes, geo.hidden)

@@ -42,18 +42,20 @@ def gather_on_device(view: torch.Tensor, geo: ViewGeometry, block_lists: list[li
     ``index_on_side_stream=False`` and ``delay_cycles`` exist only so a test can show what goes wrong with
     the index tensor on the wrong stream (the connector never passes them).
     """
+    # Every torch call here costs the engine's step 3-35 us on the H200 host (benchmarks/record_path_cost.py
+    # --breakdown, RESULTS 2026-12-03): one stream context for the upload and the gather, the index made
+    # page-locked in one call.
     forward = torch.cuda.current_stream()
     ready = torch.cuda.Event()
     ready.record(forward)  # everything queued so far, including the rows' writes
     side.wait_event(ready)
-    host_idx = torch.tensor([b for blocks in block_lists for b in blocks], dtype=torch.int64).pin_memory()
-    if index_on_side_stream:
-        with torch.cuda.stream(side):
-            dev_idx = host_idx.to(view.device, non_blocking=True)
-    else:
+    host_idx = torch.tensor([b for blocks in block_lists for b in blocks], dtype=torch.int64, pin_memory=True)
+    if not index_on_side_stream:
         dev_idx = host_idx.to(view.device, non_blocking=True)  # WRONG: allocated on the forward stream
         side.wait_stream(forward)
     with torch.cuda.stream(side):
+        if index_on_side_stream:
+            dev_idx = host_idx.to(view.device, non_blocking=True)
         if delay_cycles:
             torch.cuda._sleep(delay_cycles)
         rows = gather_blocks(view, geo, dev_idx)  # a private copy: the cache blocks are no longer read
