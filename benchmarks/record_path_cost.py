@@ -170,6 +170,50 @@ def run_config(args, records: int, busy_ms: float, dev: str) -> dict:
             "rounds": len(steps)}
 
 
+def pair(args, argv: list[str]) -> list[dict]:
+    """This tree against ``--baseline-tree``, each in its own child process per round, alternating (the
+    order flips every round); the ratio of the median step times per configuration, with its range."""
+    import subprocess
+    import tempfile
+
+    skip = {"--baseline-tree", "--rounds", "--json"}
+    child, i = [], 0
+    while i < len(argv):  # this run's own flags, less the pairing ones
+        flag = argv[i].split("=", 1)[0]
+        if flag in skip:
+            i += 1 if "=" in argv[i] else 2
+            continue
+        child.append(argv[i])
+        i += 1
+    trees = {"this": Path(__file__).resolve().parents[1], "baseline": Path(args.baseline_tree).resolve()}
+    got: dict[str, list[list[dict]]] = {k: [] for k in trees}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(args.rounds):
+            for name in (list(trees) if rnd % 2 == 0 else list(trees)[::-1]):
+                out = Path(tmp) / f"{name}-{rnd}.json"
+                r = subprocess.run([sys.executable, str(trees[name] / "benchmarks" / "record_path_cost.py"), *child,
+                                    "--json", str(out)], capture_output=True, text=True)
+                if r.returncode != 0:
+                    raise SystemExit(f"{name} ({trees[name]}) failed:\n{r.stderr[-3000:]}")
+                got[name].append(json.loads(out.read_text())["rows"])
+                print(f"round {rnd + 1} {name}: " + ", ".join(f"{x['records']} rec / busy {x['busy_ms']:g} ms "
+                                                             f"{x['step_us']:.0f} us" for x in got[name][-1]), flush=True)
+    rows = []
+    print(f"\n{'records':>7} {'GPU busy ms':>11} {'this us':>9} {'baseline us':>11}   this / baseline [min-max]")
+    for j, cfg in enumerate(got["this"][0]):
+        ratios = [a[j]["step_us"] / b[j]["step_us"] for a, b in zip(got["this"], got["baseline"])]
+        this = statistics.median(r[j]["step_us"] for r in got["this"])
+        base = statistics.median(r[j]["step_us"] for r in got["baseline"])
+        rows.append({"records": cfg["records"], "busy_ms": cfg["busy_ms"], "this_step_us": this, "baseline_step_us": base,
+                     "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)]})
+        print(f"{cfg['records']:>7} {cfg['busy_ms']:>11.1f} {this:>9.1f} {base:>11.1f}   "
+              f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"pair": rows, "rounds": got, "baseline_tree": str(trees["baseline"])},
+                                              indent=1))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=None, help="default 2048 on CUDA, 64 on the CPU")
@@ -182,7 +226,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--json", default=None)
     ap.add_argument("--breakdown", action="store_true", help="CUDA: time each call of the gather and the copies")
+    ap.add_argument("--baseline-tree", default=None,
+                    help="another layertap checkout (with this script): both run in turn, --rounds times each, "
+                         "in child processes; prints the step time of each and the ratio this / baseline")
+    ap.add_argument("--rounds", type=int, default=3, help="--baseline-tree: interleaved rounds (default 3)")
     args = ap.parse_args(argv)
+    if args.baseline_tree:
+        return pair(args, argv if argv is not None else sys.argv[1:])
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if args.breakdown and dev == "cuda":
         for k, v in breakdown().items():

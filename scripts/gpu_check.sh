@@ -31,6 +31,9 @@
 #                                          # override the workload (e.g. "--prompt-len 512 --max-tokens 256":
 #                                          # decode-heavy, as in serving) (needs
 #                                          # py-spy: on PATH, or its wheel carried as .gpubundle/py_spy-*.whl)
+#   bash scripts/gpu_check.sh recordpath  # the worker's record path alone (benchmarks/record_path_cost.py; needs no
+#                                          # vLLM): step-thread time per phase at 1 and 8 records per step; BASE_TREE=DIR:
+#                                          # paired against another checkout (e.g. carried as .base), RP_ROUNDS (3) rounds
 # Results and logs go to $OUT (the device tool's return folder) or ./gpu-results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -113,6 +116,12 @@ if [ "$phase" = serve ]; then  # layertap serve --capture-all vs vllm serve unde
     rc=$?
     grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING\|^(APIServer\|Loading weights\|verify:" "$OUT/serve_overhead.log" | tail -24
   fi
+fi
+if [ "$phase" = recordpath ]; then
+  python3 benchmarks/record_path_cost.py --records ${RP_RECORDS:-1,8} --busy-ms ${RP_BUSY:-0,5} --iters ${RP_ITERS:-150} \
+    $( [ -n "${BASE_TREE:-}" ] && echo "--baseline-tree $BASE_TREE --rounds ${RP_ROUNDS:-3}" ) \
+    --json "$OUT/record_path_cost.json" 2>&1 | tee "$OUT/record_path_cost.log" | tail -20
+  rc=${PIPESTATUS[0]}
 fi
 if [ "$phase" = loop ]; then  # the whole drafter loop (benchmarks/gpu_loop.py); resumable: call again on exit 75
   python3 benchmarks/gpu_loop.py --profile ${LOOP_PROFILE:-h200} --work ${LOOP_WORK:-/tmp/gpu_loop} --out "$OUT" \
