@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -54,40 +52,23 @@ def _stand_in_for_vllm() -> None:
 _stand_in_for_vllm()
 
 from layertap.engine import record_writer as rw  # noqa: E402
-from layertap.engine.cache_view import kernel_ratio, view_geometry  # noqa: E402
 from layertap.engine.saves import LayertapMetadata, SaveJob  # noqa: E402
 from layertap.records import LAYER_SEMANTICS, token_digest  # noqa: E402
 from layertap.transport.shm import ShmTransport  # noqa: E402
 
 
-def make_worker(view: torch.Tensor, n_planes: int, hidden: int, block_size: int, sink, layer_ids: list[int]):
-    """A ``WorkerSide`` with the state ``register`` gives it, around this view and sink (no vLLM config)."""
-    w = object.__new__(rw.WorkerSide)
-    w.c = SimpleNamespace(_block_size=block_size, _extra={}, _layer_ids=layer_ids)
-    w.geo = view_geometry(tuple(view.shape), n_planes, hidden, plane_axis=2)
-    w.ratio = kernel_ratio(block_size, w.geo.view_block_size)
-    w.num_manager_blocks = w.geo.num_blocks // w.ratio
-    w.view, w.on_cuda, w.rank0, w.skip_reads, w.direct, w.compact_cfg = view, view.is_cuda, True, False, True, None
-    w.dtype_name = str(view.dtype).removeprefix("torch.")
-    w.row_bytes = n_planes * hidden * view.element_size()
-    w.run_meta = {"model": "/tmp/bench", "config_hash": "0" * 16, "vllm_version": "none", "layer_semantics":
-                  LAYER_SEMANTICS, "num_hidden_layers": 16, "hidden_size": hidden, "format_version": 1}
-    w.sink, w.released, w.error = sink, set(), None
-    w.jobs = queue.Queue(maxsize=64)
-    w.staging, w.staged_bytes, w.inflight = threading.Condition(), 0, []
-    w.busy_s, w.calls, w.saved, w.phase_s = 0.0, 0, 0, dict.fromkeys(rw.PHASES, 0.0)
-    w.stream = w.copy_stream = w.commit_word = w.pinned_region = None
-    w.writer = None
-    if view.is_cuda:
-        region = sink.data_region()
-        err = rw.register_host(region)
-        if err is not None:
-            raise SystemExit(f"cannot page-lock the pool: {err}")
-        w.pinned_region = region
-        w.commit_word = sink.commit_word().to(view.device)
-        w.stream, w.copy_stream = torch.cuda.Stream(device=view.device), torch.cuda.Stream(device=view.device)
-    w.writer = threading.Thread(target=w._write_loop, name="layertap-writer", daemon=True)  # the CPU path's
-    w.writer.start()
+def make_worker(view: torch.Tensor, hidden: int, block_size: int, tcfg: dict, layer_ids: list[int]):
+    """A ``WorkerSide`` as the connector's ``register`` leaves it (the view attached, the transport open),
+    built from stand-ins for the connector and vLLM's config: no engine."""
+    c = SimpleNamespace(_block_size=block_size, _layer_ids=layer_ids, _extra={
+        "transport": {**tcfg, "backend": "shm"},
+        "run_meta": {"model": "/tmp/bench", "config_hash": "0" * 16, "vllm_version": "none",
+                     "layer_semantics": LAYER_SEMANTICS, "num_hidden_layers": 16, "hidden_size": hidden,
+                     "format_version": 1}})
+    model = SimpleNamespace(get_hidden_size=lambda: hidden, get_total_num_hidden_layers=lambda: 16)
+    w = rw.WorkerSide(c, SimpleNamespace(model_config=model))
+    w.attach("bench", view, plane_axis=2)
+    w.open_transport()
     return w
 
 
@@ -112,8 +93,8 @@ def run_config(args, records: int, busy_ms: float, dev: str) -> dict:
     num_blocks = max(4 * records * -(-args.rows // block) + 2, 64)
     view = torch.randn(num_blocks, block, n_planes, args.hidden, device=dev).to(torch.bfloat16)
     cfg = ShmTransport.prepare({"slot_bytes": rec_bytes, "num_slots": 2 * records + 2, "checksum": "none"})
-    src, sink = ShmTransport.make_source(cfg), ShmTransport.make_sink(cfg, "bench")
-    w = make_worker(view, n_planes, args.hidden, block, sink, [1, 2, 3, 4])
+    src = ShmTransport.make_source(cfg)
+    w = make_worker(view, args.hidden, block, cfg, [1, 2, 3, 4])
     load = None
     if dev == "cuda" and busy_ms > 0:  # a matmul of about busy_ms on the forward stream before each step
         n = 4096
@@ -157,12 +138,7 @@ def run_config(args, records: int, busy_ms: float, dev: str) -> dict:
             with w.staging:
                 w._reap()
     finally:
-        w.jobs.put(None)
-        w.writer.join(timeout=10)
-        if w.pinned_region is not None:
-            torch.cuda.synchronize()
-            rw.unregister_host(w.pinned_region)
-        sink.close()
+        w.close()
         src.close()
     med = statistics.median(steps)
     return {"records": records, "busy_ms": busy_ms, "step_us": 1e6 * med, "per_record_us": 1e6 * med / records,
@@ -259,7 +235,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def breakdown(iters: int = 200, rows: int = 1024, hidden: int = 2048, planes: int = 4) -> dict[str, float]:
     """CUDA only: the median time of each call the gather and the copies make (and of the alternatives a
     leaner path could take), one record of ``rows`` rows per step; microseconds on the calling thread."""
-    from layertap.engine.cache_view import gather_blocks
+    from layertap.engine.cache_view import gather_blocks, view_geometry
 
     dev = torch.device("cuda")
     view = torch.randn(256, 16, planes, hidden, device=dev).to(torch.bfloat16)

@@ -95,16 +95,7 @@ class WorkerSide:
         self.rank0 = compat.tp_rank() == 0
         name = compat.capture_layer_name(list(kv_caches))
         view = kv_caches[name]
-        n_planes = len(self.c._layer_ids)
-        self.geo = view_geometry(tuple(view.shape), n_planes, self.hidden,
-                                 plane_axis=compat.capture_plane_axis(compat.vllm_version()))
-        self.ratio = kernel_ratio(self.c._block_size, self.geo.view_block_size)
-        self.num_manager_blocks = self.geo.num_blocks // self.ratio
-        self.view = view
-        self.dtype_name = str(view.dtype).removeprefix("torch.")  # the records' "dtype" meta
-        self.on_cuda = view.is_cuda
-        self.layer_name = name
-        self.row_bytes = self.geo.n_planes * self.geo.hidden * view.element_size()
+        self.attach(name, view, compat.capture_plane_axis(compat.vllm_version()))
         log.info(
             "layertap worker: capture layer %s; hidden-state group %d, manager block size %d; view shape %s "
             "strides %s dtype %s device %s; plane axis %d, view block size %d (%d kernel blocks per manager "
@@ -126,28 +117,45 @@ class WorkerSide:
             else:
                 compat.wlog.info("layertap hook: decode steps run with %s CUDA graphs", mode)
         if self.rank0 and not self.skip_reads:
-            writer_id = f"{socket.gethostname()}-{os.getpid()}"
-            self.sink = get_transport(self.transport_cfg["backend"]).make_sink(self.transport_cfg, writer_id)
-            if view.is_cuda and self.direct and hasattr(self.sink, "data_region"):
-                region = self.sink.data_region()
-                err = register_host(region)
-                if err is None:
-                    self.pinned_region = region
-                    if self.device_commit and getattr(self.sink, "device_commit_ok", False):
-                        self.commit_word = self.sink.commit_word().to(view.device)  # set: records commit on the device
-                    log.info("layertap worker: %d MiB of transport memory page-locked; rows go to it directly; "
-                             "records commit %s", region.numel() >> 20,
-                             "on the device (a commit word copied after each payload)" if self.commit_word is not None
-                             else "on the writer thread, after their copies")
-                else:
-                    self.direct = False
-                    log.warning("layertap worker: cannot page-lock the transport memory (%s); staging rows "
-                                "through pinned buffers instead", err)
-            if view.is_cuda:
-                self.stream = torch.cuda.Stream(device=view.device)
-                self.copy_stream = torch.cuda.Stream(device=view.device)
-            self.writer = threading.Thread(target=self._write_loop, name="layertap-writer", daemon=True)
-            self.writer.start()
+            self.open_transport()
+
+    def attach(self, name: str, view: torch.Tensor, plane_axis: int) -> None:
+        """Take the capture layer's cache view: its geometry and what every record's rows are read with."""
+        self.geo = view_geometry(tuple(view.shape), len(self.c._layer_ids), self.hidden, plane_axis=plane_axis)
+        self.ratio = kernel_ratio(self.c._block_size, self.geo.view_block_size)
+        self.num_manager_blocks = self.geo.num_blocks // self.ratio
+        self.view = view
+        self.dtype_name = str(view.dtype).removeprefix("torch.")  # the records' "dtype" meta
+        self.on_cuda = view.is_cuda
+        self.layer_name = name
+        self.row_bytes = self.geo.n_planes * self.geo.hidden * view.element_size()
+
+    def open_transport(self) -> None:
+        """The sink records go to; on CUDA its memory page-locked for direct copies, the copy streams, the
+        device commit word; the writer thread."""
+        view = self.view
+        writer_id = f"{socket.gethostname()}-{os.getpid()}"
+        self.sink = get_transport(self.transport_cfg["backend"]).make_sink(self.transport_cfg, writer_id)
+        if view.is_cuda and self.direct and hasattr(self.sink, "data_region"):
+            region = self.sink.data_region()
+            err = register_host(region)
+            if err is None:
+                self.pinned_region = region
+                if self.device_commit and getattr(self.sink, "device_commit_ok", False):
+                    self.commit_word = self.sink.commit_word().to(view.device)  # set: records commit on the device
+                log.info("layertap worker: %d MiB of transport memory page-locked; rows go to it directly; "
+                         "records commit %s", region.numel() >> 20,
+                         "on the device (a commit word copied after each payload)" if self.commit_word is not None
+                         else "on the writer thread, after their copies")
+            else:
+                self.direct = False
+                log.warning("layertap worker: cannot page-lock the transport memory (%s); staging rows "
+                            "through pinned buffers instead", err)
+        if view.is_cuda:
+            self.stream = torch.cuda.Stream(device=view.device)
+            self.copy_stream = torch.cuda.Stream(device=view.device)
+        self.writer = threading.Thread(target=self._write_loop, name="layertap-writer", daemon=True)
+        self.writer.start()
 
     # ---- first-step slot check ----
     def check_unrun(self, meta: Any) -> None:
