@@ -18,8 +18,6 @@ Variants (``--variants``; the ratio column is ``capture`` over ``plain``, the ot
     capture-raw        the capture engine and transport of ``capture``, driven like plain (no Tap loop, no
                        proof; a thread takes the records off the transport): capture / capture-raw is the
                        Tap's share of the gap, capture-raw / plain the engine's and the record path's
-    capture-hostcommit capture whose writer thread waits for each step's copies and commits the records on
-                       the CPU (the record path before the device commit)
     capture-piecewise  capture with vLLM's fallback to PIECEWISE CUDA graphs (connector option
                        full_graphs=False; the default keeps FULL graphs for decode batches); prefill-only
                        rounds run piecewise either way, so it shows in decode-heavy serving
@@ -364,8 +362,6 @@ VARIANTS = {
     "floor": lambda m, d, a: Floor(m, d, a, **profiler_kwargs(a, "floor")),
     "capture": lambda m, d, a: Capture(m, d, a, **profiler_kwargs(a, "capture")),
     "capture-raw": lambda m, d, a: CaptureRaw(m, d, a, **profiler_kwargs(a, "capture-raw")),
-    "capture-hostcommit": lambda m, d, a: Capture(m, d, a, connector_options={"device_commit": False},
-                                                  **profiler_kwargs(a, "capture-hostcommit")),
     "capture-piecewise": lambda m, d, a: Capture(m, d, a, connector_options={"full_graphs": False},
                                                  **profiler_kwargs(a, "capture-piecewise")),
     "floor-extract": lambda m, d, a: Floor(m, d, a, path="extract", **profiler_kwargs(a, "floor-extract")),

@@ -72,8 +72,8 @@ class WorkerSide:
         # CUDA + a transport that allows it (shm without a payload checksum): each record's commit is a
         # 4-byte copy queued on the copy stream after its payload (gpu_gather rule 5), so no thread of the
         # engine waits for copies or commits records; the writer thread only serves the other paths.
-        # False: the writer thread waits for each group's copies and commits on the CPU (variant
-        # capture-hostcommit).
+        # False (connector option device_commit): the writer thread waits for each group's copies and
+        # commits on the CPU, as it does for a checksummed transport.
         self.device_commit = bool(c._extra.get("device_commit", True))
         self.commit_word: torch.Tensor | None = None  # on the device, once registered
         self.inflight: list[tuple[Any, int]] = []  # (copy event, device bytes) of device-committed groups
