@@ -18,6 +18,7 @@ import argparse
 import collections
 import gzip
 import json
+import statistics
 from pathlib import Path
 
 
@@ -98,15 +99,10 @@ def summarize(path: Path, requests: int = 1, top: int = 12, kernel_top: int = 60
         "empty_step_ms_per_request": sum(e["dur"] for e in empty) * ms,
         "between_steps_ms_per_request": (window - _union(step_ivs)) * ms if step_ivs else None,
         "decode_steps_per_request": len(decode) / n,
-        "decode_step_ms_median": _median([e["dur"] for e in decode]) * 1e-3 if decode else None,
+        "decode_step_ms_median": statistics.median(e["dur"] for e in decode) * 1e-3 if decode else None,
         "kernel_ms_per_request": sum(kernels.values()) * ms,
         "top_kernels_ms_per_request": {k: v * ms for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:kernel_top]},
     }
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
 
 
 def _kernel_name(name: str) -> str:
