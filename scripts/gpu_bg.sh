@@ -22,8 +22,11 @@ if [ "$cmd" = start ]; then
   [ $# -eq 1 ] || { echo "usage: bash scripts/gpu_bg.sh start 'COMMAND LINE'"; exit 2; }
   mkdir -p "$BG/out"
   if [ -f "$BG/pid" ] && kill -0 "$(cat "$BG/pid")" 2>/dev/null; then echo "already running: pid $(cat "$BG/pid")"; exit 0; fi
-  rm -f "$BG/rc"
+  rm -f "$BG/rc" "$BG/pid"
   {
+    # The driver names its own pid once it runs in its new session (setsid may fork, and `start` must not
+    # report before the session exists: a caller that looks at once would see the old session).
+    printf 'echo $$ > %q && mv %q %q\n' "$BG/pid.new" "$BG/pid.new" "$BG/pid"
     printf 'cd %q\n' "$PWD"
     printf 'export OUT=%q\n' "$BG/out"
     printf 'PRE=%q\nJOB=%q\nWAIT_S=%q\n' "${PRE:-}" "$1" "${INSTALL_WAIT_S:-900}"
@@ -40,7 +43,8 @@ EOF
     printf 'echo $rc > %q\n' "$BG/rc"
   } > "$BG/driver.sh"
   setsid nohup bash "$BG/driver.sh" > "$BG/driver.log" 2>&1 < /dev/null &
-  echo $! > "$BG/pid"
+  for _ in $(seq 300); do [ -f "$BG/pid" ] && break; sleep 0.1; done
+  [ -f "$BG/pid" ] || { echo "gpu_bg: the driver did not start within 30 s (see $BG/driver.log)"; exit 1; }
   echo "gpu_bg: started pid $(cat "$BG/pid"), log $BG/driver.log"
   exit 0
 fi
