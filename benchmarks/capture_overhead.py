@@ -12,12 +12,19 @@ Variants (``--variants``; the ratio column is ``capture`` over ``plain``, the ot
     plain              vLLM as users run it (its default scheduling)
     floor              the hook capture engine + the layertap connector, reading no rows (the cost of the
                        model writing its rows into the capture layer)
+    floor-gather       floor, plus each record's rows gathered on the device as ``capture`` gathers them (the
+                       forward stream waits for the gather), then dropped: no transport memory, host copy or
+                       record; between floor and capture-raw it splits the record path into the gather and
+                       the rest (reservations, host copies, commits, the consumer)
     capture            layertap capture (default: hook path, vLLM's default scheduling, records written in
                        place in the shm pool and committed on the device: a commit word copied after each
                        payload, no engine thread waits for the copies)
     capture-raw        the capture engine and transport of ``capture``, driven like plain (no Tap loop, no
                        proof; a thread takes the records off the transport): capture / capture-raw is the
                        Tap's share of the gap, capture-raw / plain the engine's and the record path's
+    capture-torch      capture on the torch record path (connector option lean=False: the gather on a side
+                       stream, tensor views of the transport memory, torch copies), the default before the
+                       lean path: capture / capture-torch is what the lean path buys
     capture-piecewise  capture with vLLM's fallback to PIECEWISE CUDA graphs (connector option
                        full_graphs=False; the default keeps FULL graphs for decode batches); prefill-only
                        rounds run piecewise either way, so it shows in decode-heavy serving
@@ -91,29 +98,38 @@ class Timeline:
     and ``step`` (a few clock reads per call, the same for every variant). Per ``rate`` call it reports
 
     - occupancy: time-averaged requests in the engine over the in-flight target (below 1: the driver left
-      the engine underfed between a finish and the next admission);
+      the engine underfed between a finish and the next admission); summed over the segments a round is
+      measured in (``segment()``: with ``--chunk`` other engines run between them);
     - latency: median time from ``add_request`` to the ``step`` call that returned the request finished
       (the engine's time for one request, plus its output's way back);
-    - per output: median requests finishing per ``step`` call that finished any (how batched steps were).
-    Comparing capture with plain says whether capture's gap is the engine's (latency up, occupancy alike)
-    or the driver's (occupancy down)."""
+    - per output: median requests finishing per ``step`` call that finished any (how batched steps were);
+    - turnaround: median time from a ``step`` call that returned a finished request to the driver's next
+      ``add_request`` (the driver's own share of a request at 1 in flight);
+    - with ``--stats`` (vLLM's per-request stats on, in every engine alike), the request's time split at the
+      engine core's own timestamps (one clock: CLOCK_MONOTONIC, shared by the processes of one machine):
+      ``in`` add_request -> queued in the engine core, ``wait`` queued -> first scheduled, ``run`` scheduled
+      -> the engine core's output carrying its last token, ``out`` that output -> the driver's ``step``
+      returns it. Which of them grows says where a variant's extra time per request is spent."""
+
+    PHASES = ("in", "wait", "run", "out")
 
     def __init__(self, engine):
-        self.events: list[tuple[float, int]] = []  # (time, +1 admitted / -1 finished)
         self.added: dict[str, float] = {}
-        self.latencies: list[float] = []
-        self.per_output: list[int] = []
+        self.reset()
         add, step = engine.add_request, engine.step
 
         def add_request(request_id, *a, **k):
-            t = time.perf_counter()
+            t = time.monotonic()
             self.added[request_id] = t
             self.events.append((t, 1))
+            if self.last_done is not None:
+                self.turnaround.append(t - self.last_done)
+                self.last_done = None
             return add(request_id, *a, **k)
 
         def step_():
             outs = step()
-            t = time.perf_counter()
+            t = time.monotonic()
             n = 0
             for out in outs:
                 if out.finished:
@@ -122,37 +138,83 @@ class Timeline:
                     if t0 is not None:
                         self.latencies.append(t - t0)
                         self.events.append((t, -1))
+                        self._phases(out, t0, t)
             if n:
                 self.per_output.append(n)
+                self.last_done = t
             return outs
 
         engine.add_request, engine.step = add_request, step_
 
+    def _phases(self, out, t_add: float, t_done: float) -> None:
+        m = getattr(out, "metrics", None)
+        q, s, f = (getattr(m, k, 0.0) or 0.0 for k in ("queued_ts", "scheduled_ts", "last_token_ts"))
+        if q and s and f:  # stats on: engine-core timestamps of this request
+            for k, v in zip(self.PHASES, (q - t_add, s - q, f - s, t_done - f)):
+                self.phases[k].append(v)
+
     def reset(self) -> None:
-        self.events.clear()
         self.added.clear()
-        self.latencies.clear()
-        self.per_output.clear()
+        self.events: list[tuple[float, int]] = []  # (time, +1 admitted / -1 finished), this segment
+        self.segments: list[list[tuple[float, int]]] = []
+        self.latencies: list[float] = []
+        self.per_output: list[int] = []
+        self.turnaround: list[float] = []
+        self.last_done: float | None = None
+        self.phases: dict[str, list[float]] = {k: [] for k in self.PHASES}
+
+    def segment(self) -> None:
+        """Close the events measured so far as one segment (the engine idles until the next one starts)."""
+        if self.events:
+            self.segments.append(self.events)
+        self.events = []
+        self.last_done = None  # a turnaround spans no other engine's run
 
     def summary(self, inflight: int) -> dict[str, float]:
-        ev = sorted(self.events)
-        if len(ev) < 2 or not self.latencies:
+        self.segment()
+        area = span = 0.0
+        for ev in self.segments:
+            ev = sorted(ev)
+            level = 0
+            for (t, d), (t_next, _) in zip(ev, ev[1:]):
+                level += d
+                area += level * (t_next - t)
+            if len(ev) > 1:
+                span += ev[-1][0] - ev[0][0]
+        if not span or not self.latencies:
             return {}
-        area, level = 0.0, 0
-        for (t, d), (t_next, _) in zip(ev, ev[1:]):
-            level += d
-            area += level * (t_next - t)
-        return {"occupancy": area / (ev[-1][0] - ev[0][0]) / inflight,
-                "latency_ms": 1e3 * statistics.median(self.latencies),
-                "latency_mean_ms": 1e3 * statistics.fmean(self.latencies),  # a median hides stalls; the mean does not
-                "latency_p90_ms": 1e3 * sorted(self.latencies)[int(0.9 * (len(self.latencies) - 1))],
-                "per_output": statistics.median(self.per_output)}
+        out = {"occupancy": area / span / inflight,
+               "latency_ms": 1e3 * statistics.median(self.latencies),
+               "latency_mean_ms": 1e3 * statistics.fmean(self.latencies),  # a median hides stalls; the mean does not
+               "latency_p90_ms": 1e3 * sorted(self.latencies)[int(0.9 * (len(self.latencies) - 1))],
+               "per_output": statistics.median(self.per_output)}
+        if self.turnaround:
+            out["turnaround_ms"] = 1e3 * statistics.median(self.turnaround)
+        for k, v in self.phases.items():
+            if v:
+                out[f"{k}_ms"] = 1e3 * statistics.median(v)
+        return out
+
+
+def chunks_of(data: list, inflight: int, chunk: int | None) -> list[list]:
+    """``data`` cut into the pieces one round measures each engine on in turn (``--chunk``: at least
+    ``chunk`` and 4 x ``inflight`` prompts each, a short tail joined to the piece before it); the whole of
+    it without ``--chunk``."""
+    if not chunk:
+        return [data]
+    size = max(chunk, 4 * inflight)
+    parts = [data[i:i + size] for i in range(0, len(data), size)]
+    if len(parts) > 1 and len(parts[-1]) < size:
+        parts[-2:] = [parts[-2] + parts[-1]]
+    return parts
 
 
 def engine_kwargs(args) -> dict:
     kw = dict(dtype=args.dtype, max_model_len=args.prompt_len + args.max_tokens + 8, max_num_seqs=max(args.batch_sizes),
               max_num_batched_tokens=max(args.max_num_batched_tokens, args.prompt_len),
               enable_prefix_caching=False, enforce_eager=args.eager)
+    if getattr(args, "stats", False):
+        kw["disable_log_stats"] = False  # RequestOutput.metrics: the engine core's timestamps (Timeline)
     if args.tp > 1:
         kw["tensor_parallel_size"] = args.tp
     if torch.cuda.is_available():
@@ -212,7 +274,7 @@ class Plain:
 class Floor(Plain):
     """The capture path's engine + the connector, which reports every save done without reading a row."""
 
-    def __init__(self, model, data, args, path: str = "hook", **extra):
+    def __init__(self, model, data, args, path: str = "hook", gather: bool = False, **extra):
         from vllm import LLM
 
         from layertap.engine import compat, launch
@@ -221,8 +283,8 @@ class Floor(Plain):
         self.data = data
         v = compat.check_version()
         kw = {**compat.engine_defaults(v, torch.cuda.is_available(), {}, path), **engine_kwargs(args)}
-        conn = {"transport": {"backend": "shm"}, "run_meta": {}, "skip_reads": True, "capture_path": path,
-                "layer_ids": list(args.layers)}
+        conn = {"transport": {"backend": "shm"}, "run_meta": {}, "capture_path": path, "layer_ids": list(args.layers),
+                **({"gather_only": True} if gather else {"skip_reads": True})}
         with launch.engine_env_set(launch.engine_env(torch.cuda.is_available(), kw)):
             self.llm = LLM(model=str(model), **launch.engine_capture_kwargs(path, args.layers, kw),
                            kv_transfer_config=launch.kv_transfer_config(conn), **kw, **extra)
@@ -360,8 +422,11 @@ def profiler_kwargs(args, variant: str) -> dict:
 VARIANTS = {
     "plain": lambda m, d, a: Plain(m, d, a, **profiler_kwargs(a, "plain")),
     "floor": lambda m, d, a: Floor(m, d, a, **profiler_kwargs(a, "floor")),
+    "floor-gather": lambda m, d, a: Floor(m, d, a, gather=True, **profiler_kwargs(a, "floor-gather")),
     "capture": lambda m, d, a: Capture(m, d, a, **profiler_kwargs(a, "capture")),
     "capture-raw": lambda m, d, a: CaptureRaw(m, d, a, **profiler_kwargs(a, "capture-raw")),
+    "capture-torch": lambda m, d, a: Capture(m, d, a, connector_options={"lean": False},
+                                             **profiler_kwargs(a, "capture-torch")),
     "capture-piecewise": lambda m, d, a: Capture(m, d, a, connector_options={"full_graphs": False},
                                                  **profiler_kwargs(a, "capture-piecewise")),
     "floor-extract": lambda m, d, a: Floor(m, d, a, path="extract", **profiler_kwargs(a, "floor-extract")),
@@ -411,20 +476,36 @@ def measure(variants: list[str], model, data, args) -> dict[str, dict]:
         timelines = {v: Timeline(r.engine()) for v, r in runners.items()}
         out: dict[str, dict[int, list[float]]] = {v: {b: [] for b in args.batch_sizes} for v in variants}
         seen: dict[str, dict[int, list[dict]]] = {v: {b: [] for b in args.batch_sizes} for v in variants}
+        pieces: dict[str, dict[int, list[list[float]]]] = {v: {b: [] for b in args.batch_sizes} for v in variants}
         for rnd in range(args.repeats):
             for b in args.batch_sizes:
                 k = (rnd + args.batch_sizes.index(b)) % len(variants)
-                for v in variants[k:] + variants[:k]:
+                order = variants[k:] + variants[:k]
+                spent = dict.fromkeys(variants, 0.0)
+                rates: dict[str, list[float]] = {v: [] for v in variants}
+                for v in variants:
                     timelines[v].reset()
-                    out[v][b].append(runners[v].rate(b))
+                parts = chunks_of(data, b, args.chunk)
+                for i, part in enumerate(parts):  # each piece on every engine back to back, order rotating
+                    j = i % len(order)
+                    for v in order[j:] + order[:j]:
+                        rates[v].append(runners[v].rate(b, part))
+                        spent[v] += sum(map(len, part)) / rates[v][-1]
+                        timelines[v].segment()
+                for v in order:
+                    out[v][b].append(sum(map(len, data)) / spent[v])
+                    pieces[v][b].append(rates[v])
                     seen[v][b].append(timelines[v].summary(b))
                     tl = seen[v][b][-1]
                     print(f"  round {rnd + 1}/{args.repeats} in-flight {b:>3} {v:>22}: {out[v][b][-1]:>10.0f} tok/s"
+                          + (f" ({len(parts)} pieces)" if len(parts) > 1 else "")
                           + (f"  (occupancy {tl['occupancy']:.2f}, latency {tl['latency_ms']:.1f} ms, "
                              f"mean {tl['latency_mean_ms']:.1f}, p90 {tl['latency_p90_ms']:.1f}, "
-                             f"{tl['per_output']:.0f} per output)" if tl else ""), flush=True)
+                             f"{tl['per_output']:.0f} per output"
+                             + "".join(f", {p} {tl[p + '_ms']:.2f}" for p in ("turnaround", *Timeline.PHASES)
+                                       if p + "_ms" in tl) + ")" if tl else ""), flush=True)
         profiles = profile_engines(runners, data, args) if args.profile_dir else {}
-        return {"rates": out, "timeline": seen, "profiles": profiles}
+        return {"rates": out, "pieces": pieces, "timeline": seen, "profiles": profiles}
     finally:
         for r in runners.values():
             r.close()
@@ -497,6 +578,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"comma-separated, from {list(VARIANTS)}; must include plain and capture")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF second pass")
     ap.add_argument("--repeats", type=int, default=3, help="rounds over all batch sizes (default 3)")
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="measure each round in pieces of at least this many prompts (and 4 x the in-flight "
+                         "target), every engine on a piece before the next piece, so that the host's drift "
+                         "within a round hits every variant alike; a round's rate is its tokens over the time "
+                         "of all its pieces (default: the whole prompt set per engine, one after the other)")
+    ap.add_argument("--stats", action="store_true",
+                    help="turn vLLM's per-request stats on in every engine and split each request's time at the "
+                         "engine core's timestamps (in / wait / run / out, see Timeline)")
     ap.add_argument("--separate", action="store_true",
                     help="one child process per variant, measured one after the other (default: paired, all "
                          "engines alive in one child process, measured in interleaved rounds)")
@@ -534,6 +623,7 @@ def main() -> None:
     groups = [[v] for v in args.variants] if args.separate else [list(args.variants)]
     res: dict[str, dict[int, list[float]]] = {}
     timeline: dict[str, dict[int, list[dict]]] = {}
+    pieces: dict[str, dict[int, list[list[float]]]] = {}
     profiles: dict[str, dict] = {}
     for group in groups:
         print(f"--- {', '.join(group)}", flush=True)
@@ -545,6 +635,8 @@ def main() -> None:
             got = json.loads(out.read_text())
             for v, by_b in got["rates"].items():
                 res[v] = {int(b): rates for b, rates in by_b.items()}
+            for v, by_b in got.get("pieces", {}).items():
+                pieces[v] = {int(b): p for b, p in by_b.items()}
             for v, by_b in got["timeline"].items():
                 timeline[v] = {int(b): tls for b, tls in by_b.items()}
             profiles.update(got.get("profiles", {}))
@@ -571,12 +663,23 @@ def main() -> None:
             row[f"{v}_ratio"] = statistics.median(ratios)
             row[f"{v}_ratio_range"] = [min(ratios), max(ratios)]
             line += f" {row[v]:>10.0f} {row[f'{v}_ratio']:>5.2f} [{min(ratios):.2f}-{max(ratios):.2f}]".rjust(31)
+            pr = piece_ratios(pieces, v, b)
+            if pr:  # --chunk: every piece's pair, pooled over the rounds
+                q = statistics.quantiles(pr, n=10) if len(pr) > 1 else [pr[0]] * 9
+                row[f"{v}_piece_ratio"], row[f"{v}_piece_ratio_p10_p90"] = statistics.median(pr), [q[0], q[-1]]
+                row[f"{v}_pieces"] = len(pr)
         if "capture" in res:
             row["ratio"], row["vs_hf"] = row["capture_ratio"], row["capture"] / hf
             line += f"  {row['vs_hf']:>5.1f}x"
         rows.append(row)
         print(line)
     print(f"HF transformers second pass (batch {args.hf_batch}, layers copied to host): {hf:.0f} tok/s")
+    if args.chunk:
+        print("\nper piece (--chunk): median of (variant / plain) over every piece of every round [p10-p90], pieces")
+        for row in [r for r in rows if any(f"{v}_piece_ratio" in r for v in others)]:
+            print(f"{row['batch']:>9} " + "".join(
+                f" {v:>14} {row[f'{v}_piece_ratio']:.3f} [{row[f'{v}_piece_ratio_p10_p90'][0]:.2f}-"
+                f"{row[f'{v}_piece_ratio_p10_p90'][1]:.2f}] n={row[f'{v}_pieces']}" for v in others if f"{v}_piece_ratio" in row))
     print_timeline(timeline, args)
     if profiles:
         import trace_summary
@@ -595,6 +698,13 @@ def main() -> None:
                                                "timeline": timeline, "profiles": profiles}, indent=1))
 
 
+def piece_ratios(pieces: dict[str, dict[int, list[list[float]]]], v: str, b: int) -> list[float]:
+    """(variant / plain) of every piece of every round at ``b`` in flight: the pairs run back to back."""
+    if v not in pieces or "plain" not in pieces:
+        return []
+    return [x / y for rv, rp in zip(pieces[v][b], pieces["plain"][b]) if len(rv) > 1 for x, y in zip(rv, rp)]
+
+
 def print_timeline(timeline: dict[str, dict[int, list[dict]]], args) -> None:
     """Medians over rounds of the driver-side timeline (see ``Timeline``)."""
     print("\ndriver's view (median over rounds): occupancy of the in-flight target / request latency ms, median "
@@ -611,6 +721,21 @@ def print_timeline(timeline: dict[str, dict[int, list[dict]]], args) -> None:
                    for k in ("occupancy", "latency_ms", "latency_mean_ms", "per_output")}
             line += (f" {med['occupancy']:>8.2f} {med['latency_ms']:>9.1f} {med['latency_mean_ms']:>7.1f} "
                      f"{med['per_output']:>7.1f}")
+        print(line)
+    keys = [k for k in ("turnaround", *Timeline.PHASES)
+            if any(f"{k}_ms" in t for by_b in timeline.values() for tls in by_b.values() for t in tls if t)]
+    if not keys:
+        return
+    print(f"\nper request, ms (median over rounds of each round's median): {' / '.join(keys)}"
+          + (" (in / wait / run / out: the engine core's timestamps, --stats)" if "run" in keys else ""))
+    print(f"{'in-flight':>9}" + "".join(f" {v:>34}" for v in args.variants))
+    for b in args.batch_sizes:
+        line = f"{b:>9}"
+        for v in args.variants:
+            tls = [t for t in timeline.get(v, {}).get(b, []) if t]
+            vals = [statistics.median(t[f"{k}_ms"] for t in tls) if tls and all(f"{k}_ms" in t for t in tls) else
+                    float("nan") for k in keys]
+            line += " " + " / ".join(f"{x:.2f}" for x in vals).rjust(34)
         print(line)
 
 

@@ -57,10 +57,12 @@ from layertap.records import LAYER_SEMANTICS, token_digest  # noqa: E402
 from layertap.transport.shm import ShmTransport  # noqa: E402
 
 
-def make_worker(view: torch.Tensor, hidden: int, block_size: int, tcfg: dict, layer_ids: list[int]):
+def make_worker(view: torch.Tensor, hidden: int, block_size: int, tcfg: dict, layer_ids: list[int],
+                options: dict | None = None):
     """A ``WorkerSide`` as the connector's ``register`` leaves it (the view attached, the transport open),
-    built from stand-ins for the connector and vLLM's config: no engine."""
-    c = SimpleNamespace(_block_size=block_size, _layer_ids=layer_ids, _extra={
+    built from stand-ins for the connector and vLLM's config: no engine. ``options``: connector options
+    (e.g. ``{"lean": False}``: the torch record path)."""
+    c = SimpleNamespace(_block_size=block_size, _layer_ids=layer_ids, _extra={**(options or {}),
         "transport": {**tcfg, "backend": "shm"},
         "run_meta": {"model": "/tmp/bench", "config_hash": "0" * 16, "vllm_version": "none",
                      "layer_semantics": LAYER_SEMANTICS, "num_hidden_layers": 16, "hidden_size": hidden,
@@ -94,7 +96,7 @@ def run_config(args, records: int, busy_ms: float, dev: str) -> dict:
     view = torch.randn(num_blocks, block, n_planes, args.hidden, device=dev).to(torch.bfloat16)
     cfg = ShmTransport.prepare({"slot_bytes": rec_bytes, "num_slots": 2 * records + 2, "checksum": "none"})
     src = ShmTransport.make_source(cfg)
-    w = make_worker(view, args.hidden, block, cfg, [1, 2, 3, 4])
+    w = make_worker(view, args.hidden, block, cfg, [1, 2, 3, 4], json.loads(args.options))
     load = None
     if dev == "cuda" and busy_ms > 0:  # a matmul of about busy_ms on the forward stream before each step
         n = 4096
@@ -152,7 +154,7 @@ def pair(args, argv: list[str]) -> list[dict]:
     import subprocess
     import tempfile
 
-    skip = {"--baseline-tree", "--rounds", "--json"}
+    skip = {"--baseline-tree", "--rounds", "--json", "--baseline-options", "--options"}
     child, i = [], 0
     while i < len(argv):  # this run's own flags, less the pairing ones
         flag = argv[i].split("=", 1)[0]
@@ -162,13 +164,15 @@ def pair(args, argv: list[str]) -> list[dict]:
         child.append(argv[i])
         i += 1
     trees = {"this": Path(__file__).resolve().parents[1], "baseline": Path(args.baseline_tree).resolve()}
+    opts = {"this": args.options, "baseline": args.baseline_options or args.options}
     got: dict[str, list[list[dict]]] = {k: [] for k in trees}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):
             for name in (list(trees) if rnd % 2 == 0 else list(trees)[::-1]):
                 out = Path(tmp) / f"{name}-{rnd}.json"
                 r = subprocess.run([sys.executable, str(trees[name] / "benchmarks" / "record_path_cost.py"), *child,
-                                    "--json", str(out)], capture_output=True, text=True)
+                                    *(["--options", opts[name]] if opts[name] != "{}" else []), "--json", str(out)],
+                                   capture_output=True, text=True)
                 if r.returncode != 0:
                     raise SystemExit(f"{name} ({trees[name]}) failed:\n{r.stderr[-3000:]}")
                 got[name].append(json.loads(out.read_text())["rows"])
@@ -185,8 +189,8 @@ def pair(args, argv: list[str]) -> list[dict]:
         print(f"{cfg['records']:>7} {cfg['busy_ms']:>11.1f} {this:>9.1f} {base:>11.1f}   "
               f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"pair": rows, "rounds": got, "baseline_tree": str(trees["baseline"])},
-                                              indent=1))
+        Path(args.json).write_text(json.dumps({"pair": rows, "rounds": got, "baseline_tree": str(trees["baseline"]),
+                                               "options": opts}, indent=1))
     return rows
 
 
@@ -206,6 +210,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="another layertap checkout (with this script): both run in turn, --rounds times each, "
                          "in child processes; prints the step time of each and the ratio this / baseline")
     ap.add_argument("--rounds", type=int, default=3, help="--baseline-tree: interleaved rounds (default 3)")
+    ap.add_argument("--options", default="{}", help='connector options as JSON, e.g. \'{"lean": false}\'')
+    ap.add_argument("--baseline-options", default=None,
+                    help="--baseline-tree: the baseline's connector options (default: --options); with "
+                         "--baseline-tree . this pairs two options of one checkout")
     args = ap.parse_args(argv)
     if args.baseline_tree:
         return pair(args, argv if argv is not None else sys.argv[1:])

@@ -192,7 +192,8 @@ class Tap:
         # Connector switches (e.g. {"direct": False}: stage rows through pinned buffers instead of writing
         # them into transport memory in place); unknown keys are refused so a typo is not silently ignored.
         opts = dict(kw.pop("connector_options", None) or {})
-        known = {"direct", "writer_queue", "device_commit", "full_graphs", "hook_scatter", "quiet_layers"}
+        known = {"direct", "writer_queue", "device_commit", "full_graphs", "hook_scatter", "quiet_layers",
+                 "gather_only", "lean"}
         if set(opts) - known:
             raise ValueError(f"unknown connector_options {sorted(set(opts) - known)}; known: {', '.join(sorted(known))}")
         extra.update(opts)
@@ -254,13 +255,17 @@ class Tap:
                 todo.append(it)
         yield from self._run(todo, sp, mode)
 
-    def _can_admit(self, running: int, pending_records: int) -> bool:
+    _UNREAD = object()
+
+    def _can_admit(self, running: int, pending_records: int, free: Any = _UNREAD) -> bool:
         """Engine bound: ``max_inflight`` requests running. Transport bound: every running request and every
         record not yet consumed must fit the transport's free capacity, so the worker never blocks on a
-        full pool because of us (the producer slows by admitting fewer requests, nothing is dropped)."""
+        full pool because of us (the producer slows by admitting fewer requests, nothing is dropped).
+        ``free``: the capacity as read at the start of this admission round (default: read it now)."""
         if self.max_inflight is not None and running >= self.max_inflight:
             return False
-        free = self.source.free_capacity()
+        if free is Tap._UNREAD:
+            free = self.source.free_capacity()
         return free is None or running + pending_records < free
 
     def _run(self, todo: list[InputItem], sp, mode: str) -> Iterator[Record]:
@@ -293,15 +298,24 @@ class Tap:
         stall_since: float | None = None
         last_progress = time.monotonic()
 
+        # One template for this call: vLLM copies the params it is given (compat.engine_copies_params), so
+        # each request only replaces the template's extra_args, and no deep copy of our own sits between
+        # a finished request and its successor's admission (at 1-16 in flight a late admission can miss
+        # the engine's next scheduling step).
+        template = sp.clone()
+        shared = compat.engine_copies_params(self.version)
+        extra = dict(template.extra_args or {})
+
         def admit(finishing: int = 0) -> int:
             n = 0
-            while queue and self._can_admit(running + n, len(expect) + finishing):
+            free = self.source.free_capacity() if queue else None  # read once: a scan of the pool's table
+            while queue and self._can_admit(running + n, len(expect) + finishing, free):
                 it = queue.pop()
                 self._n_req += 1
                 rid = f"{self.run}-{it.index}-{self._n_req}"
-                p = sp.clone()
+                p = template if shared else template.clone()
                 params = {"index": it.index, "mode": mode, "run": self.run, "loss_spans": _loss_spans(it.loss_mask)}
-                p.extra_args = {**(p.extra_args or {}), "kv_transfer_params": {PARAMS_KEY: params}}
+                p.extra_args = {**extra, "kv_transfer_params": {PARAMS_KEY: params}}  # a new dict each time
                 engine.add_request(rid, TokensPrompt(prompt_token_ids=it.token_ids), p)
                 by_req[rid] = it
                 n += 1

@@ -25,7 +25,8 @@
 #                                      # benchmark's start; leave ~60 s for the HF check after the rounds)
 #   bash scripts/gpu_check.sh models  # build the benchmark models on the GPU (needs no vLLM: run it while the
 #                                      # bundle installs): the bench shape and the 8B-shaped one (hidden 4096,
-#                                      # 32 layers), random bf16 weights, as --gpu-build makes them
+#                                      # 32 layers; MODELS=small: the bench shape only), random bf16 weights, as
+#                                      # --gpu-build makes them
 #   bash scripts/gpu_check.sh profile     # py-spy over PROFILE_VARIANTS (plain capture) at PROFILE_INFLIGHT (1):
 #                                          # where a request's time goes, per process and thread; PROFILE_ARGS
 #                                          # override the workload (e.g. "--prompt-len 512 --max-tokens 256":
@@ -33,7 +34,9 @@
 #                                          # py-spy: on PATH, or its wheel carried as .gpubundle/py_spy-*.whl)
 #   bash scripts/gpu_check.sh recordpath  # the worker's record path alone (benchmarks/record_path_cost.py; needs no
 #                                          # vLLM): step-thread time per phase at 1 and 8 records per step; BASE_TREE=DIR:
-#                                          # paired against another checkout (e.g. carried as .base), RP_ROUNDS (3) rounds
+#                                          # paired against another checkout (e.g. carried as .base), RP_ROUNDS (3) rounds;
+#                                          # BASE_TREE=. RP_ARGS='--baseline-options {"lean":false}': the lean record path
+#                                          # against the torch one in this checkout
 # Results and logs go to $OUT (the device tool's return folder) or ./gpu-results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,7 +60,9 @@ bench_transport="--transport shm --slot-mb 17"
 [ "$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)" -lt 12 ] && bench_transport="--transport file --out /tmp/lt-bench"
 rc=0
 if [ "$phase" = models ]; then  # no vLLM needed (capture_overhead imports it only to run engines)
-  for shape in "--hidden 2048 --num-layers 16" "--hidden 4096 --num-layers 32"; do
+  shapes=("--hidden 2048 --num-layers 16" "--hidden 4096 --num-layers 32")
+  [ "${MODELS:-}" = small ] && shapes=("${shapes[0]}")  # MODELS=small: the bench shape only
+  for shape in "${shapes[@]}"; do
     python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import capture_overhead as co; \
 print(co.build_model(co.parse_args(sys.argv[1:])))" $shape --head-dim 128 --vocab 2048 --dtype bfloat16 --gpu-build
     rc=$(( rc | $? ))
@@ -119,7 +124,7 @@ if [ "$phase" = serve ]; then  # layertap serve --capture-all vs vllm serve unde
 fi
 if [ "$phase" = recordpath ]; then
   python3 benchmarks/record_path_cost.py --records ${RP_RECORDS:-1,8} --busy-ms ${RP_BUSY:-0,5} --iters ${RP_ITERS:-150} \
-    $( [ -n "${BASE_TREE:-}" ] && echo "--baseline-tree $BASE_TREE --rounds ${RP_ROUNDS:-3}" ) \
+    $( [ -n "${BASE_TREE:-}" ] && echo "--baseline-tree $BASE_TREE --rounds ${RP_ROUNDS:-3}" ) ${RP_ARGS:-} \
     --json "$OUT/record_path_cost.json" 2>&1 | tee "$OUT/record_path_cost.log" | tail -20
   rc=${PIPESTATUS[0]}
 fi

@@ -169,6 +169,17 @@ def capture_plane_axis(v: str) -> int:
 # The frontend's engine client (the Tap's process)
 # ----------------------------------------------------------------------------------------------
 
+def engine_copies_params(v: str) -> bool:
+    """Whether ``LLMEngine.add_request`` keeps a copy of the ``SamplingParams`` it is given, never the object
+    itself (0.25 and 0.32: the input processor calls ``params.clone()``; the engine core then gets its own
+    copy again through serialization). The Tap then sends one template per ``capture`` call with its
+    ``extra_args`` replaced for each request, instead of cloning per request: a deep copy of ~0.1 ms on the
+    CPU box, more on a GPU host, between a finished request and the next admission. Were a vLLM to keep
+    the object, every request would carry the last one's marker, and the Tap's proof (record index against
+    input index) fails on the first record, by name."""
+    return v.startswith(("0.25", "0.32"))
+
+
 def engine_arg_parser(prog: str) -> Any:
     """vLLM's own engine-argument parser (``EngineArgs.add_cli_args``), for engine flags by vLLM's names;
     ``FlexibleArgumentParser`` lives in a vLLM module path (``vllm.utils.argparse_utils``) that is not API."""

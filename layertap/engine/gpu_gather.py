@@ -18,6 +18,12 @@ Stream discipline (the bug class peers shipped: capture indices allocated on the
      waits for the copy.
 The index is one entry per cache block, not per token (a record's rows are a prefix of its blocks'
 rows), so the step thread's work per record is a list of a few dozen ints.
+
+The lean record path (``record_writer``, the default with device commits) keeps rules 1-3 by running the
+gather on the forward stream itself: it reads after the rows' writes and before any later forward work by
+stream order, its index comes from a page-locked ring into a device buffer that only that stream touches
+(``IndexUpload``), and no event or side stream is needed. Rules 4-5 hold as above, the copies queued with
+``RawCopies`` (raw ``cudaMemcpyAsync``) after the copy stream waited for an event behind the gather.
 """
 
 from __future__ import annotations
@@ -120,6 +126,94 @@ def gather_many_to_host(view: torch.Tensor, geo: ViewGeometry, block_lists: list
     spans = spans_of(block_lists, counts, geo.view_block_size)
     hosts, done = copy_to_host(rows, spans, dsts, copy_stream or side, gathered)
     return hosts, done, (keep, rows)
+
+
+class RawCopies:
+    """``cudaMemcpyAsync`` called straight through the CUDA runtime this process already loaded (the one
+    torch uses, found in ``/proc/self/maps``), with raw addresses: ~2 us a call from Python where a torch
+    ``copy_`` between views costs 7-33 us on the H200 host (``benchmarks/record_path_cost.py --breakdown``).
+    The lean record path (``record_writer``) queues its payload and commit-word copies with it; lifetimes
+    are the caller's (the source held by ``record_stream`` on the copy stream, the destination page-locked
+    transport memory). Every call's status is checked."""
+
+    H2D, D2H = 1, 2
+
+    def __init__(self, lib: Any):
+        import ctypes
+
+        self._fn = lib.cudaMemcpyAsync
+        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        self._fn.restype = ctypes.c_int
+        self._err = lib.cudaGetErrorString
+        self._err.argtypes = [ctypes.c_int]
+        self._err.restype = ctypes.c_char_p
+
+    @classmethod
+    def load(cls) -> "RawCopies | None":
+        """The loaded CUDA runtime's copy entry point, or ``None`` (no ``libcudart`` mapped in this process:
+        torch linked it statically, or CUDA is not initialized); the caller then copies through torch."""
+        import ctypes
+
+        try:
+            with open("/proc/self/maps") as f:
+                paths = {line.split()[-1] for line in f if "libcudart.so" in line and "/" in line}
+        except OSError:
+            return None
+        for path in sorted(paths):
+            try:
+                return cls(ctypes.CDLL(path))
+            except (OSError, AttributeError):
+                continue
+        return None
+
+    def copy(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
+        code = self._fn(dst, src, nbytes, kind, stream)
+        if code != 0:
+            raise RuntimeError(f"cudaMemcpyAsync of {nbytes} bytes failed: cudaError {code} "
+                               f"({self._err(code).decode(errors='replace')})")
+
+
+class IndexUpload:
+    """A step's block index on the device without a page-locked allocation per step: a ring of page-locked
+    host rows, each reused once its upload ran (an event per row), copied on the *current* stream into one
+    device buffer that the same stream's gather then reads. Stream order keeps the next step's upload from
+    overwriting the buffer before this step's gather ran (rule 2's hazard cannot arise: the buffer is never
+    freed, and only the current stream uses it)."""
+
+    def __init__(self, device: torch.device, copies: RawCopies, slots: int = 16, capacity: int = 4096):
+        self.device, self.copies, self.slots = device, copies, slots
+        self._alloc(capacity)
+        self.i = 0
+
+    def _alloc(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.host = torch.empty((self.slots, capacity), dtype=torch.int64, pin_memory=True)
+        self.rows = self.host.numpy()
+        self.dev = torch.empty(capacity, dtype=torch.int64, device=self.device)
+        self.host_ptr, self.dev_ptr = self.host.data_ptr(), self.dev.data_ptr()
+        self.events = [torch.cuda.Event() for _ in range(self.slots)]
+        self.used = [False] * self.slots
+
+    def __call__(self, block_lists: list[list[int]]) -> torch.Tensor:
+        n = sum(map(len, block_lists))
+        if n > self.capacity:  # the old buffers go back to their allocators; the current stream's order holds
+            torch.cuda.current_stream().synchronize()
+            self._alloc(max(n, 2 * self.capacity))
+            self.i = 0
+        i = self.i
+        self.i = (i + 1) % self.slots
+        if self.used[i]:
+            self.events[i].synchronize()  # its upload ran steps ago: returns at once unless the GPU is far behind
+        row = self.rows[i]
+        pos = 0
+        for blocks in block_lists:
+            row[pos:pos + len(blocks)] = blocks
+            pos += len(blocks)
+        stream = torch.cuda.current_stream()
+        self.copies.copy(self.dev_ptr, self.host_ptr + 8 * self.capacity * i, 8 * n, RawCopies.H2D, stream.cuda_stream)
+        self.events[i].record(stream)
+        self.used[i] = True
+        return self.dev[:n]
 
 
 def register_host(region: torch.Tensor) -> str | None:

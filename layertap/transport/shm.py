@@ -154,14 +154,19 @@ class ShmSink(Sink):
         return torch.tensor([sp.COMMITTED], dtype=torch.int32)
 
     def reserve(self, key: str, specs: dict[str, Any], meta: dict[str, Any], *,
-                device_commit: bool = False) -> "ShmReservation | None":
+                device_commit: bool = False, views: bool = True) -> "ShmReservation | None":
         """Claim slots for the record now (``None`` if none are free: never waits), write its header, and
         return tensors that view the slot memory for the producer to fill (e.g. a GPU copy straight into
         shared memory, no host staging). Nothing is visible to the consumer before ``commit``.
 
         ``device_commit``: the record becomes visible when ``commit_word()`` lands in the reservation's
         ``commit_target`` (a view of its slot's state word), copied there by the device after the payload;
-        the producer then calls ``handed_to_device()`` instead of ``commit()``."""
+        the producer then calls ``handed_to_device()`` instead of ``commit()``.
+
+        ``views=False``: no tensors (``tensors`` and ``commit_target`` stay empty); the producer writes
+        through the byte offsets in ``offsets`` (each field's start in the mapping that ``data_region``
+        views) and ``state_at`` (the slot's state word), e.g. with raw device copies: no torch call per
+        record."""
         if device_commit and not self.device_commit_ok:
             raise TransportError(f"shm pool {self.name}: a device commit needs checksum 'none', not {self.checksum!r}")
         prefix, spans, total = layout(specs, meta)
@@ -179,7 +184,10 @@ class ShmSink(Sink):
             base = self.pool.data_offset(head)
             self.pool.mm[base : base + len(prefix)] = prefix
             tensors = {}
+            offsets = {name: base + pos for name, (pos, _) in spans.items()}
             for name, spec in specs.items():
+                if not views:
+                    break
                 dtype, shape = (spec.dtype, tuple(spec.shape)) if isinstance(spec, torch.Tensor) else spec
                 pos, nbytes = spans[name]
                 if nbytes:
@@ -188,7 +196,7 @@ class ShmSink(Sink):
                 else:
                     tensors[name] = torch.empty(shape, dtype=dtype)
             target = None
-            if device_commit:
+            if device_commit and views:
                 target = self._commit_targets.get(head)
                 if target is None:
                     target = torch.frombuffer(self.pool.mm, dtype=torch.int32, count=1,
@@ -198,7 +206,9 @@ class ShmSink(Sink):
             with self.pool.locked():
                 self.pool.free(head)
             raise
-        return ShmReservation(self, key, head, span, total, tensors, target)
+        res = ShmReservation(self, key, head, span, total, tensors, target)
+        res.offsets, res.state_at, res.device_commit = offsets, self.pool.state_offset(head), device_commit
+        return res
 
     def data_region(self) -> torch.Tensor:
         """The whole pool mapping (header, tables, slots) as one uint8 tensor, for registering it with a
@@ -232,6 +242,11 @@ class ShmReservation(Reservation):
         self.sink, self.key, self.head, self.span, self.length, self.tensors = sink, key, head, span, length, tensors
         self.commit_target = commit_target
         """Device commit only: the slot's state word (int32, in the mapping); ``commit_word()`` goes there."""
+        self.offsets: dict[str, int] = {}
+        """Each field's first byte in the pool's mapping (``ShmSink.data_region``)."""
+        self.state_at = 0
+        """The slot's state word in the mapping (where a device commit lands)."""
+        self.device_commit = commit_target is not None
         self._done = False
 
     def commit(self) -> None:
@@ -245,7 +260,7 @@ class ShmReservation(Reservation):
     def handed_to_device(self) -> None:
         """The device's copies (payload, then the commit word) are queued: the record commits itself when
         they land. Nothing may abort it any more."""
-        if self._done or self.commit_target is None:
+        if self._done or not self.device_commit:
             raise TransportError(f"record {self.key}: not a pending device commit")
         self._done = True
         self.tensors = {}

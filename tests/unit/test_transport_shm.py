@@ -259,13 +259,16 @@ def _tell(proc, line: str) -> None:
     proc.stdin.flush()
 
 
-def test_device_commit_is_invisible_until_its_word_lands_then_delivered_without_a_ring():
+@pytest.mark.parametrize("how", ["views", "raw"])
+def test_device_commit_is_invisible_until_its_word_lands_then_delivered_without_a_ring(how):
     """The CUDA path's commit (shm_pool docstring): the writer process takes the sequence number when it
     reserves and never commits on the CPU; the record appears when its slot's state word lands, in any
-    order, and the consumer notices without a doorbell ring. A checksum pool refuses device commits."""
+    order, and the consumer notices without a doorbell ring. ``raw``: the reservation is byte offsets into
+    the mapping (the lean record path's ``views=False``), every byte written through them. A checksum pool
+    refuses device commits."""
     cfg = SHM.prepare({"slot_bytes": 64 << 10, "num_slots": 4, "checksum": "none"})
     src = SHM.make_source(cfg)
-    prod = spawn("device-reserve", "shm", json.dumps(cfg), "cuda-worker", "3")
+    prod = spawn("device-reserve", "shm", json.dumps(cfg), "cuda-worker", "3", how)
     try:
         assert read_line(prod) == "reserved"
         assert src.poll(0.2) == []  # reserved, payload written, but no word landed: nothing to deliver

@@ -131,21 +131,31 @@ def _produce(name: str, cfg: dict[str, Any], writer: str, first: int, count: int
     sink.close()
 
 
-def _device_reserve(name: str, cfg: dict[str, Any], writer: str, count: int) -> None:
+def _device_reserve(name: str, cfg: dict[str, Any], writer: str, count: int, raw: bool = False) -> None:
     """Plays the engine on CUDA with device commits: reserve ``count`` records for a device commit, write
     their payloads, hand them to the "device", then land each one's commit word (what the copy engine
-    does after the payload) when stdin says ``land <i>``; ``exit`` ends it."""
+    does after the payload) when stdin says ``land <i>``; ``exit`` ends it. ``raw``: as the lean record
+    path does, reserve byte offsets (``views=False``) and write every byte through them into the mapping."""
     sink = get_transport(name).make_sink(cfg, writer)
+    region = sink.data_region().numpy()
+    word = sink.commit_word()
     pending = []
     for i in range(count):
         key, tensors, meta = make_record(i)
-        res = sink.reserve(key, {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}, meta, device_commit=True)
-        for k, t in tensors.items():
-            res.tensors[k].copy_(t)
-        target = res.commit_target
+        res = sink.reserve(key, {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}, meta, device_commit=True,
+                           views=not raw)
+        if raw:
+            assert not res.tensors and res.commit_target is None
+            for k, t in tensors.items():
+                b = t.contiguous().view(-1).view(torch.uint8).numpy()
+                region[res.offsets[k]:res.offsets[k] + b.size] = b
+            target = torch.from_numpy(region[res.state_at:res.state_at + 4]).view(torch.int32)
+        else:
+            for k, t in tensors.items():
+                res.tensors[k].copy_(t)
+            target = res.commit_target
         res.handed_to_device()
         pending.append(target)
-    word = sink.commit_word()
     print("reserved", flush=True)
     for line in sys.stdin:
         cmd, *arg = line.split()
@@ -175,7 +185,7 @@ def main(argv: list[str]) -> int:
         if cmd == "produce":
             _produce(name, cfg, argv[3], int(argv[4]), int(argv[5]), int(argv[6]))
         elif cmd == "device-reserve":
-            _device_reserve(name, cfg, argv[3], int(argv[4]))
+            _device_reserve(name, cfg, argv[3], int(argv[4]), raw=len(argv) > 5 and argv[5] == "raw")
         elif cmd == "consume":
             _consume(name, cfg, float(argv[3]) if len(argv) > 3 else 0.0)
         else:

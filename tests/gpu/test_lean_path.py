@@ -1,0 +1,157 @@
+"""The lean CUDA record path (``record_writer.WorkerSide._gather_group_lean``: the gather on the forward stream,
+its index from a page-locked ring, byte-offset reservations, raw cudaMemcpyAsync payload and commit copies),
+run through the worker's own ``finished`` into a real registered shm pool, no vLLM needed. Each record must
+carry exactly its blocks' rows, also when the forward stream rewrites those blocks right after the step (the
+next forward's writes), when the ring of index buffers wraps while the GPU is behind, and it must not be
+visible before its payload landed. A control shows the rewrite test can fail: the same rewrite queued on
+another stream, not after the gather, corrupts the record."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from layertap.engine import record_writer as rw
+from layertap.engine.saves import LayertapMetadata, SaveJob
+from layertap.records import LAYER_SEMANTICS, token_digest
+from layertap.transport.base import get_transport
+
+SHM = get_transport("shm")
+PLANES, HIDDEN, BS, BLOCKS, ROWS = 4, 512, 16, 256, 200
+SLEEP = 200_000_000  # GPU cycles (~0.1 s): holds a stream back so the host acts while work is queued
+
+
+@pytest.fixture
+def setup():
+    cfg = SHM.prepare({"slot_bytes": 4 << 20, "num_slots": 64, "checksum": "none"})
+    src = SHM.make_source(cfg)
+    view = torch.randn(BLOCKS, BS, PLANES, HIDDEN, device="cuda").to(torch.bfloat16)  # vLLM 0.25's layout
+    c = SimpleNamespace(_block_size=BS, _layer_ids=[1, 2, 3, 4], _extra={
+        "transport": {**cfg, "backend": "shm"},
+        "run_meta": {"model": "/tmp/t", "config_hash": "0" * 16, "vllm_version": "none",
+                     "layer_semantics": LAYER_SEMANTICS, "num_hidden_layers": 4, "hidden_size": HIDDEN,
+                     "format_version": 1}})
+    model = SimpleNamespace(get_hidden_size=lambda: HIDDEN, get_total_num_hidden_layers=lambda: 4)
+    w = rw.WorkerSide(c, SimpleNamespace(model_config=model))
+    w.attach("t", view, plane_axis=2)
+    w.open_transport()
+    yield w, src, view
+    torch.cuda.synchronize()
+    w.close()
+    src.close()
+
+
+def jobs(step: int, n: int, rng: np.random.Generator, spans=None) -> list[SaveJob]:
+    out = []
+    for r in range(n):
+        blocks = rng.choice(np.arange(1, BLOCKS), size=-(-ROWS // BS), replace=False).tolist()
+        ids = rng.integers(0, 2048, size=ROWS, dtype=np.int64)
+        key = f"t:{step}-{r}"
+        meta = {"key": key, "request_id": f"{step}-{r}", "index": step * n + r, "mode": "prompt",
+                "layer_ids": [1, 2, 3, 4], "num_tokens": ROWS, "num_prompt_tokens": ROWS,
+                "token_digest": token_digest(ids), "layer_semantics": LAYER_SEMANTICS, "run": "t",
+                "loss_spans": spans}
+        out.append(SaveJob(f"{step}-{r}", key, blocks, ids, ROWS, meta))
+    return out
+
+
+def expected(view: torch.Tensor, job: SaveJob) -> torch.Tensor:
+    return view[job.block_ids].reshape(-1, PLANES, HIDDEN)[:ROWS].cpu()
+
+
+def take(src, n: int, timeout: float = 30.0) -> dict:
+    got, deadline = {}, time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        for rec in src.poll(0.2):
+            got[rec.key] = rec
+    assert len(got) == n, f"{len(got)} of {n} records arrived"
+    return got
+
+
+def test_the_lean_path_is_the_default_and_records_hold_their_blocks_rows(setup):
+    w, src, view = setup
+    assert w.lean, "the lean record path did not start (no CUDA runtime library mapped?)"
+    rng = np.random.default_rng(0)
+    want = {}
+    for step in range(3):
+        js = jobs(step, 1 + step, rng, spans=[[3, 50], [120, 199]])
+        want.update({j.key: (j, expected(view, j)) for j in js})
+        assert w.finished(LayertapMetadata(saves=js)) == {j.req_id for j in js}
+    got = take(src, len(want))
+    for key, rec in got.items():
+        job, rows = want[key]
+        assert torch.equal(rec.hidden_states, rows), key
+        assert rec.token_ids.tolist() == job.token_ids.tolist()
+        mask = torch.zeros(ROWS, dtype=torch.uint8)
+        mask[3:50] = 1
+        mask[120:199] = 1
+        assert torch.equal(rec.loss_mask.to(torch.uint8), mask)
+        rec.release()
+
+
+def test_blocks_rewritten_on_the_forward_stream_right_after_the_step_do_not_reach_the_record(setup):
+    w, src, view = setup
+    rng = np.random.default_rng(1)
+    js = jobs(0, 4, rng)
+    want = {j.key: expected(view, j) for j in js}
+    torch.cuda._sleep(SLEEP)  # the step's forward is still running when the record path is queued
+    w.finished(LayertapMetadata(saves=js))
+    for j in js:  # the next forward reuses the released blocks at once
+        view[j.block_ids] = -7.0
+    got = take(src, len(js))
+    for key, rec in got.items():
+        assert torch.equal(rec.hidden_states, want[key]), key
+        rec.release()
+
+
+def test_control_a_rewrite_not_ordered_after_the_gather_corrupts_the_record(setup):
+    """The same rewrite, queued on another stream that does not wait for the forward stream: it overtakes the
+    held-back gather, and the record carries the new values. So the test above can fail."""
+    w, src, view = setup
+    rng = np.random.default_rng(2)
+    js = jobs(0, 1, rng)
+    want = expected(view, js[0])
+    torch.cuda._sleep(SLEEP)
+    w.finished(LayertapMetadata(saves=js))
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        view[js[0].block_ids] = -7.0
+    rec = take(src, 1)[js[0].key]
+    assert not torch.equal(rec.hidden_states, want)
+    assert bool((rec.hidden_states == -7.0).all())
+    rec.release()
+
+
+def test_the_index_ring_wraps_while_the_gpu_is_behind(setup):
+    w, src, view = setup
+    rng = np.random.default_rng(3)
+    slots = w.index_upload.slots
+    want = {}
+    for j in [j for step in range(slots + 5) for j in jobs(step, 1, rng)]:
+        want[j.key] = (j, expected(view, j))
+    torch.cuda._sleep(SLEEP)  # every upload below is queued behind it: a ring row is reused only by its event
+    for job, _ in want.values():
+        w.finished(LayertapMetadata(saves=[job]))
+    got = take(src, len(want))
+    for key, rec in got.items():
+        assert torch.equal(rec.hidden_states, want[key][1]), key
+        rec.release()
+
+
+def test_no_record_is_visible_before_its_payload_landed(setup):
+    w, src, view = setup
+    rng = np.random.default_rng(4)
+    js = jobs(0, 2, rng)
+    want = {j.key: expected(view, j) for j in js}
+    with torch.cuda.stream(w.copy_stream):
+        torch.cuda._sleep(SLEEP)  # the payload and commit copies wait behind this
+    w.finished(LayertapMetadata(saves=js))
+    assert src.poll(0.0) == []  # queued, not landed: nothing visible
+    got = take(src, len(js))
+    for key, rec in got.items():
+        assert torch.equal(rec.hidden_states, want[key]), key
+        rec.release()
