@@ -16,6 +16,9 @@ Variants (``--variants``; the ratio column is ``capture`` over ``plain``, the ot
                        forward stream waits for the gather), then dropped: no transport memory, host copy or
                        record; between floor and capture-raw it splits the record path into the gather and
                        the rest (reservations, host copies, commits, the consumer)
+    floor-hashed       floor with vLLM's per-request block hashes computed as vLLM does for any connector
+                       (connector option block_hashes=True; by default a capture engine without prefix
+                       caching skips them): floor-hashed / floor is what skipping them buys
     capture            layertap capture (default: hook path, vLLM's default scheduling, records written in
                        place in the shm pool and committed on the device: a commit word copied after each
                        payload, no engine thread waits for the copies)
@@ -274,7 +277,7 @@ class Plain:
 class Floor(Plain):
     """The capture path's engine + the connector, which reports every save done without reading a row."""
 
-    def __init__(self, model, data, args, path: str = "hook", gather: bool = False, **extra):
+    def __init__(self, model, data, args, path: str = "hook", gather: bool = False, hashed: bool = False, **extra):
         from vllm import LLM
 
         from layertap.engine import compat, launch
@@ -284,7 +287,7 @@ class Floor(Plain):
         v = compat.check_version()
         kw = {**compat.engine_defaults(v, torch.cuda.is_available(), {}, path), **engine_kwargs(args)}
         conn = {"transport": {"backend": "shm"}, "run_meta": {}, "capture_path": path, "layer_ids": list(args.layers),
-                **({"gather_only": True} if gather else {"skip_reads": True})}
+                **({"gather_only": True} if gather else {"skip_reads": True}), **({"block_hashes": True} if hashed else {})}
         with launch.engine_env_set(launch.engine_env(torch.cuda.is_available(), kw)):
             self.llm = LLM(model=str(model), **launch.engine_capture_kwargs(path, args.layers, kw),
                            kv_transfer_config=launch.kv_transfer_config(conn), **kw, **extra)
@@ -423,6 +426,7 @@ VARIANTS = {
     "plain": lambda m, d, a: Plain(m, d, a, **profiler_kwargs(a, "plain")),
     "floor": lambda m, d, a: Floor(m, d, a, **profiler_kwargs(a, "floor")),
     "floor-gather": lambda m, d, a: Floor(m, d, a, gather=True, **profiler_kwargs(a, "floor-gather")),
+    "floor-hashed": lambda m, d, a: Floor(m, d, a, hashed=True, **profiler_kwargs(a, "floor-hashed")),
     "capture": lambda m, d, a: Capture(m, d, a, **profiler_kwargs(a, "capture")),
     "capture-raw": lambda m, d, a: CaptureRaw(m, d, a, **profiler_kwargs(a, "capture-raw")),
     "capture-torch": lambda m, d, a: Capture(m, d, a, connector_options={"lean": False},

@@ -193,7 +193,7 @@ class Tap:
         # them into transport memory in place); unknown keys are refused so a typo is not silently ignored.
         opts = dict(kw.pop("connector_options", None) or {})
         known = {"direct", "writer_queue", "device_commit", "full_graphs", "hook_scatter", "quiet_layers",
-                 "gather_only", "lean"}
+                 "gather_only", "lean", "block_hashes"}
         if set(opts) - known:
             raise ValueError(f"unknown connector_options {sorted(set(opts) - known)}; known: {', '.join(sorted(known))}")
         extra.update(opts)

@@ -13,7 +13,8 @@ Start-up checks (the Tap runs them before its engine starts; ``layertap serve`` 
 What runs where:
     frontend (the Tap):        engine_defaults, async_scheduling, engine_dead, fail_blocked_step,
                                watch_engine_death, engine_arg_parser
-    scheduler (connector):     num_scheduled, new_requests, cached_requests, finished_request_state
+    scheduler (connector):     num_scheduled, new_requests, cached_requests, finished_request_state,
+                               skip_request_block_hashes, check_block_hashes_skipped
     worker (connector):        group_infos, capture_layer_name, capture_layer_ids, tp_rank, sizes, extra_config,
                                capture_plane_axis
     worker (hook worker):      platform_worker_class, prepare_worker -> install_capture_hook,
@@ -341,6 +342,54 @@ def cached_requests(scheduler_output: Any) -> list[tuple[str, tuple[list[int], .
         out.append((rid, tuple(list(b) for b in nb) if nb is not None else None, rid in resumed,
                     int(c.num_computed_tokens[i]), int(c.num_output_tokens[i])))
     return out
+
+
+_HASHER_PATCH: list[Any] = []  # the original get_request_block_hasher while the one-shot skip is armed
+
+
+def skip_request_block_hashes(vllm_config: Any) -> bool:
+    """Spare a capture engine without prefix caching the hashing of every request's blocks.
+
+    vLLM's engine core makes a block hasher when prefix caching is on *or any KV connector is configured*
+    (connectors that look blocks up by content need the hashes), and then hashes every full block of every
+    request as it arrives (sha256 per 16 tokens, on the engine core's input path) and as it grows.
+    layertap's connector reads rows by block id and needs none. So with prefix caching off, a capture engine
+    paid for hashes nobody reads, which plain vLLM does not (seen on the H200: the engine core queued the
+    requests of a 256-wide prefill wave ~35 ms later than plain, in the floor engine as in capture).
+
+    The connector's scheduler side calls this while vLLM builds it, inside ``EngineCore.__init__``, a few
+    lines before that constructor asks ``get_request_block_hasher`` for the hasher (0.25 and 0.32): the next
+    call of that name in this process returns None and puts the original back. ``check_block_hashes_skipped``
+    (first scheduler step) makes sure the one-shot was used. Returns whether it was armed."""
+    if vllm_config.cache_config.enable_prefix_caching or not vllm_version().startswith(SUPPORTED):
+        return False
+    import vllm.v1.engine.core as core
+
+    if _HASHER_PATCH:  # armed already in this process
+        return True
+    original = core.get_request_block_hasher
+
+    def no_hasher(*args: Any, **kwargs: Any) -> None:
+        core.get_request_block_hasher = original
+        _HASHER_PATCH.clear()
+        wlog.info("layertap scheduler: prefix caching is off and layertap's connector reads blocks by id: "
+                  "vLLM's per-request block hashes are not computed")
+        return None
+
+    _HASHER_PATCH.append(original)
+    core.get_request_block_hasher = no_hasher
+    return True
+
+
+def check_block_hashes_skipped() -> None:
+    """If the one-shot of ``skip_request_block_hashes`` was not used by the engine core's constructor (this
+    vLLM makes its hasher elsewhere), put the original back, loudly: any later engine in the process hashes."""
+    if _HASHER_PATCH:
+        import vllm.v1.engine.core as core
+
+        core.get_request_block_hasher = _HASHER_PATCH.pop()
+        wlog.warning("layertap scheduler: vLLM did not ask for its block hasher where expected; the requests' "
+                     "block hashes are computed as usual")
 
 
 def finished_request_state(request: Any) -> tuple[list[int], int, int, bool, dict | None]:

@@ -116,6 +116,9 @@ class LayertapConnector(KVConnectorBase_V1, SupportsHMA):
         watch_owner(self._extra.get("owner"), "scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(self)
+            # connector option block_hashes=True: let vLLM hash every request's blocks anyway
+            self._hashes_armed = (not self._extra.get("block_hashes")
+                                  and compat.skip_request_block_hashes(vllm_config))
             log.info("layertap scheduler: hidden-state group %d of %s, manager block size %d, layer ids %s",
                      self._group, [f"{g.spec_type}" for g in groups], self._block_size, self._layer_ids)
         else:
@@ -130,6 +133,9 @@ class LayertapConnector(KVConnectorBase_V1, SupportsHMA):
             raise RuntimeError("layertap connector is store-only; it never loads external tokens")
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        if self._hashes_armed:  # the first step: the engine core is built, the one-shot must be used
+            self._hashes_armed = False
+            compat.check_block_hashes_skipped()
         return self._sched.build_meta(scheduler_output)
 
     def request_finished(self, request, block_ids):

@@ -2,7 +2,9 @@
 benchmark and single-process debugging run it). Such a core steps only when called, so the Tap must keep
 stepping while records are owed: in generate mode the step that hands the last finished requests to the
 connector's save comes after the one they finished in (seen: the last record of a run never arrived and
-the Tap raised MissingRecords). Runs in a child process, since the setting is read when vLLM starts."""
+the Tap raised MissingRecords). With prefix caching off, the engine core makes no block hasher for the
+capture engine (``compat.skip_request_block_hashes``), and the records stay right. Runs in a child process,
+since the setting is read when vLLM starts."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ inputs = random_prompts(5, [7, 40], seed=31)
 out = {}
 with Tap(model=model, layers=[1, 2, 4], **BASE, record_timeout=30) as tap:
     out["in_process"] = compat.engine_core_in_process(tap.llm)
+    out["hasher_with_prefix_caching"] = tap.llm.llm_engine.engine_core.engine_core.request_block_hasher is not None
     for inflight in (1, 3):  # the last request finishes alone, and with others
         tap.max_inflight = inflight
         sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -40,6 +43,14 @@ with Tap(model=model, layers=[1, 2, 4], **BASE, record_timeout=30) as tap:
         assert_all_match(recs, model)
         prompt = list(tap.capture(inputs[:2]))  # prompt mode after it, on the same engine
         out[f"prompt@{inflight}"] = sorted(r.index for r in prompt)
+# Prefix caching off: the engine core computes no block hashes for the capture engine (the connector reads
+# rows by block id), and the records are still right.
+with Tap(model=model, layers=[1, 2, 4], **{**BASE, "enable_prefix_caching": False}, record_timeout=30) as tap:
+    out["hasher_without_prefix_caching"] = tap.llm.llm_engine.engine_core.engine_core.request_block_hasher is not None
+    recs = list(tap.capture(inputs, mode="generate", sampling_params=SamplingParams(max_tokens=6, temperature=0.0,
+                                                                                    ignore_eos=True)))
+    assert_all_match(recs, model)
+    out["no_prefix_caching"] = sorted(r.index for r in recs)
 print("RESULT " + json.dumps(out))
 """
 
@@ -51,6 +62,9 @@ def test_generate_mode_over_an_in_process_engine_core_delivers_every_record():
     assert r.returncode == 0 and line, r.stdout[-3000:] + r.stderr[-3000:]
     out = json.loads(line[0][len("RESULT "):])
     assert out["in_process"] is True
+    # the block hasher exists where prefix caching needs it, and not where only layertap's connector would
+    assert out["hasher_with_prefix_caching"] is True and out["hasher_without_prefix_caching"] is False
+    assert out["no_prefix_caching"] == list(range(5)), out
     for inflight in (1, 3):
         # every input's record, each with its prompt's rows and 6 - 1 generated ones (the last never ran)
         assert out[f"rows@{inflight}"] == [[i, 5] for i in range(5)], out
