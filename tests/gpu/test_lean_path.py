@@ -8,17 +8,20 @@ another stream, not after the gather, corrupts the record."""
 
 from __future__ import annotations
 
+import sys
 import time
-from types import SimpleNamespace
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from layertap.engine import record_writer as rw
 from layertap.engine.saves import LayertapMetadata, SaveJob
 from layertap.records import LAYER_SEMANTICS, token_digest
 from layertap.transport.base import get_transport
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from record_path_cost import make_worker  # noqa: E402  (a WorkerSide as register leaves it, no engine)
 
 SHM = get_transport("shm")
 PLANES, HIDDEN, BS, BLOCKS, ROWS = 4, 512, 16, 256, 200
@@ -30,15 +33,7 @@ def setup():
     cfg = SHM.prepare({"slot_bytes": 4 << 20, "num_slots": 64, "checksum": "none"})
     src = SHM.make_source(cfg)
     view = torch.randn(BLOCKS, BS, PLANES, HIDDEN, device="cuda").to(torch.bfloat16)  # vLLM 0.25's layout
-    c = SimpleNamespace(_block_size=BS, _layer_ids=[1, 2, 3, 4], _extra={
-        "transport": {**cfg, "backend": "shm"},
-        "run_meta": {"model": "/tmp/t", "config_hash": "0" * 16, "vllm_version": "none",
-                     "layer_semantics": LAYER_SEMANTICS, "num_hidden_layers": 4, "hidden_size": HIDDEN,
-                     "format_version": 1}})
-    model = SimpleNamespace(get_hidden_size=lambda: HIDDEN, get_total_num_hidden_layers=lambda: 4)
-    w = rw.WorkerSide(c, SimpleNamespace(model_config=model))
-    w.attach("t", view, plane_axis=2)
-    w.open_transport()
+    w = make_worker(view, HIDDEN, BS, cfg, [1, 2, 3, 4])
     yield w, src, view
     torch.cuda.synchronize()
     w.close()
@@ -72,6 +67,13 @@ def take(src, n: int, timeout: float = 30.0) -> dict:
     return got
 
 
+def assert_rows(src, want: dict) -> None:
+    """Every record of ``want`` (key -> expected rows) arrives, holding exactly those rows."""
+    for key, rec in take(src, len(want)).items():
+        assert torch.equal(rec.hidden_states, want[key]), key
+        rec.release()
+
+
 def test_the_lean_path_is_the_default_and_records_hold_their_blocks_rows(setup):
     w, src, view = setup
     assert w.lean, "the lean record path did not start (no CUDA runtime library mapped?)"
@@ -102,10 +104,7 @@ def test_blocks_rewritten_on_the_forward_stream_right_after_the_step_do_not_reac
     w.finished(LayertapMetadata(saves=js))
     for j in js:  # the next forward reuses the released blocks at once
         view[j.block_ids] = -7.0
-    got = take(src, len(js))
-    for key, rec in got.items():
-        assert torch.equal(rec.hidden_states, want[key]), key
-        rec.release()
+    assert_rows(src, want)
 
 
 def test_control_a_rewrite_not_ordered_after_the_gather_corrupts_the_record(setup):
@@ -130,16 +129,12 @@ def test_the_index_ring_wraps_while_the_gpu_is_behind(setup):
     w, src, view = setup
     rng = np.random.default_rng(3)
     slots = w.index_upload.slots
-    want = {}
-    for j in [j for step in range(slots + 5) for j in jobs(step, 1, rng)]:
-        want[j.key] = (j, expected(view, j))
+    js = [j for step in range(slots + 5) for j in jobs(step, 1, rng)]
+    want = {j.key: expected(view, j) for j in js}
     torch.cuda._sleep(SLEEP)  # every upload below is queued behind it: a ring row is reused only by its event
-    for job, _ in want.values():
+    for job in js:
         w.finished(LayertapMetadata(saves=[job]))
-    got = take(src, len(want))
-    for key, rec in got.items():
-        assert torch.equal(rec.hidden_states, want[key][1]), key
-        rec.release()
+    assert_rows(src, want)
 
 
 def test_no_record_is_visible_before_its_payload_landed(setup):
@@ -151,7 +146,4 @@ def test_no_record_is_visible_before_its_payload_landed(setup):
         torch.cuda._sleep(SLEEP)  # the payload and commit copies wait behind this
     w.finished(LayertapMetadata(saves=js))
     assert src.poll(0.0) == []  # queued, not landed: nothing visible
-    got = take(src, len(js))
-    for key, rec in got.items():
-        assert torch.equal(rec.hidden_states, want[key]), key
-        rec.release()
+    assert_rows(src, want)
