@@ -308,7 +308,9 @@ class Tap:
 
         def admit(finishing: int = 0) -> int:
             n = 0
-            free = self.source.free_capacity() if queue else None  # read once: a scan of the pool's table
+            if not queue or (self.max_inflight is not None and running >= self.max_inflight):
+                return 0
+            free = self.source.free_capacity()  # read once per round: a scan of the pool's slot table
             while queue and self._can_admit(running + n, len(expect) + finishing, free):
                 it = queue.pop()
                 self._n_req += 1

@@ -185,9 +185,7 @@ class ShmSink(Sink):
             self.pool.mm[base : base + len(prefix)] = prefix
             tensors = {}
             offsets = {name: base + pos for name, (pos, _) in spans.items()}
-            for name, spec in specs.items():
-                if not views:
-                    break
+            for name, spec in (specs.items() if views else ()):
                 dtype, shape = (spec.dtype, tuple(spec.shape)) if isinstance(spec, torch.Tensor) else spec
                 pos, nbytes = spans[name]
                 if nbytes:
@@ -206,9 +204,8 @@ class ShmSink(Sink):
             with self.pool.locked():
                 self.pool.free(head)
             raise
-        res = ShmReservation(self, key, head, span, total, tensors, target)
-        res.offsets, res.state_at, res.device_commit = offsets, self.pool.state_offset(head), device_commit
-        return res
+        return ShmReservation(self, key, head, span, total, tensors, target, offsets=offsets,
+                              state_at=self.pool.state_offset(head), device_commit=device_commit)
 
     def data_region(self) -> torch.Tensor:
         """The whole pool mapping (header, tables, slots) as one uint8 tensor, for registering it with a
@@ -238,15 +235,16 @@ class ShmReservation(Reservation):
     """Slots claimed by ``ShmSink.reserve``; ``tensors`` view them. Commit or abort exactly once."""
 
     def __init__(self, sink: ShmSink, key: str, head: int, span: int, length: int,
-                 tensors: dict[str, torch.Tensor], commit_target: torch.Tensor | None = None):
+                 tensors: dict[str, torch.Tensor], commit_target: torch.Tensor | None = None, *,
+                 offsets: dict[str, int] | None = None, state_at: int = 0, device_commit: bool | None = None):
         self.sink, self.key, self.head, self.span, self.length, self.tensors = sink, key, head, span, length, tensors
         self.commit_target = commit_target
-        """Device commit only: the slot's state word (int32, in the mapping); ``commit_word()`` goes there."""
-        self.offsets: dict[str, int] = {}
+        """Device commit with views: the slot's state word (int32, in the mapping); ``commit_word()`` goes there."""
+        self.offsets = offsets or {}
         """Each field's first byte in the pool's mapping (``ShmSink.data_region``)."""
-        self.state_at = 0
+        self.state_at = state_at
         """The slot's state word in the mapping (where a device commit lands)."""
-        self.device_commit = commit_target is not None
+        self.device_commit = commit_target is not None if device_commit is None else device_commit
         self._done = False
 
     def commit(self) -> None:
