@@ -265,12 +265,19 @@ class WorkerSide:
 
     @staticmethod
     def _fill_small(tensors: dict[str, torch.Tensor], job: SaveJob) -> None:
-        if job.num_rows:  # token_ids: host memory of shape (num_rows,), int64 (a transport slot or a CPU tensor)
-            tensors["token_ids"].numpy()[:] = job.token_ids  # filled in place: no temporary tensor per record
-        if "loss_mask" in tensors:
-            tensors["loss_mask"].zero_()
+        # token_ids: host memory of shape (num_rows,), int64 (a transport slot or a CPU tensor), filled in place
+        WorkerSide._fill_arrays(tensors["token_ids"].numpy(),
+                                tensors["loss_mask"].numpy() if "loss_mask" in tensors else None, job)
+
+    @staticmethod
+    def _fill_arrays(ids: np.ndarray, mask: np.ndarray | None, job: SaveJob) -> None:
+        """The record's token ids and loss mask, written into host arrays of its transport memory."""
+        if job.num_rows:
+            ids[:] = job.token_ids  # no temporary tensor per record
+        if mask is not None:
+            mask[:] = 0
             for a, b in job.meta["loss_spans"]:
-                tensors["loss_mask"][a:b] = 1
+                mask[a:b] = 1
 
     def _blocks(self, job: SaveJob) -> list[int]:
         """The view blocks holding the record's rows (its first ``num_rows`` positions), checked."""
@@ -452,15 +459,9 @@ class WorkerSide:
         res = self.sink.reserve(job.key, specs, meta, device_commit=True, views=False)
         if res is None:
             return None
-        o = res.offsets["token_ids"]
-        if job.num_rows:
-            self.region_np[o:o + 8 * job.num_rows].view(np.int64)[:] = job.token_ids
-        if "loss_mask" in res.offsets:
-            o = res.offsets["loss_mask"]
-            mask = self.region_np[o:o + job.num_rows]
-            mask[:] = 0
-            for a, b in job.meta["loss_spans"]:
-                mask[a:b] = 1
+        o, m = res.offsets["token_ids"], res.offsets.get("loss_mask")
+        self._fill_arrays(self.region_np[o:o + 8 * job.num_rows].view(np.int64),
+                          None if m is None else self.region_np[m:m + job.num_rows], job)
         return res
 
     def _copy_and_commit_on_device(self, rows: torch.Tensor, spans: list[tuple[int, int]], dsts: list[torch.Tensor],
