@@ -201,10 +201,14 @@ def bench(gen: LoadGenerator, port: int, model: str, args, concurrency: int, out
 # engine.compat): capture is the default (vLLM's FULL CUDA graphs kept for decode); capture-piecewise lets
 # vLLM fall back to PIECEWISE graphs as it does for its own cache-only layer (every decode step then
 # launches each attention layer eagerly: the default before 2026-12-02, 0.35-0.67 of plain on the H200).
-CAPTURE_ENV = {
-    "capture": {},
-    "capture-piecewise": {"LAYERTAP_HOOK_FULL_GRAPHS": "0"},
+CAPTURE_VARIANTS = {  # variant: (environment, extra `layertap serve` flags)
+    "capture": ({}, []),
+    "capture-piecewise": ({"LAYERTAP_HOOK_FULL_GRAPHS": "0"}, []),
+    # the capture engine and connector with no record read or written: capture / floor is the record path's
+    # share of the gap, floor / plain the capture engine's (its hidden-state layer, the connector's steps)
+    "floor": ({}, ["--connector-options", json.dumps({"skip_reads": True})]),
 }
+NO_RECORDS = ("floor",)
 
 
 def main() -> None:
@@ -230,7 +234,7 @@ def main() -> None:
     ap.add_argument("--start-timeout", type=float, default=600)
     ap.add_argument("--bench-timeout", type=float, default=900)
     ap.add_argument("--variants", type=lambda s: s.split(","), default=["plain", "capture"],
-                    help=f"servers side by side, plain first, then capture servers of {list(CAPTURE_ENV)}")
+                    help=f"servers side by side, plain first, then capture servers of {list(CAPTURE_VARIANTS)}")
     ap.add_argument("--log-dir", default=None, help="where the servers' logs and the load generator's results go "
                     "(default: a fresh temporary folder)")
     ap.add_argument("--deadline-s", type=float, default=None,
@@ -244,8 +248,11 @@ def main() -> None:
     args = ap.parse_args()
     args.prompts, args.prompt_len = 1, args.input_len
     caps = args.variants[1:]
-    if args.variants[:1] != ["plain"] or not caps or any(v not in CAPTURE_ENV for v in caps) or len(set(caps)) < len(caps):
-        raise SystemExit(f"--variants: plain first, then one or more distinct of {list(CAPTURE_ENV)}; got {args.variants}")
+    if args.variants[:1] != ["plain"] or any(v not in CAPTURE_VARIANTS for v in caps) or len(set(caps)) < len(caps) \
+            or not [v for v in caps if v not in NO_RECORDS]:
+        raise SystemExit(f"--variants: plain first, then distinct ones of {list(CAPTURE_VARIANTS)}, at least one "
+                         f"of them writing records (not {NO_RECORDS}); got {args.variants}")
+    verify_from = next(v for v in caps if v not in NO_RECORDS)  # its records are the sample HF recomputes
     import torch
 
     model = str(co.build_model(args))
@@ -290,8 +297,8 @@ def main() -> None:
             procs[v] = subprocess.Popen(
                 [sys.executable, "-m", "layertap.cli", "serve", "--model", model, "--layers", ",".join(map(str, layers)),
                  "--capture-all", "--transport", "shm", "--shm-slot-mb", str(slot_mb), "--shm-slots", str(slots),
-                 "--port", str(ports[v]), *engine], stdout=open(logs[v], "w"), stderr=subprocess.STDOUT,
-                env={**env, **CAPTURE_ENV[v]}, start_new_session=True)
+                 "--port", str(ports[v]), *CAPTURE_VARIANTS[v][1], *engine], stdout=open(logs[v], "w"),
+                stderr=subprocess.STDOUT, env={**env, **CAPTURE_VARIANTS[v][0]}, start_new_session=True)
         for v in caps:
             cfg = None
             deadline = time.monotonic() + 120
@@ -303,7 +310,7 @@ def main() -> None:
                     if procs[v].poll() is not None or time.monotonic() > deadline:
                         raise SystemExit(f"layertap serve ({v}) printed no transport config:\n" + logs[v].read_text()[-3000:])
                     time.sleep(0.5)
-            consumers[v] = Consumer(cfg, args.verify if v == caps[0] else 0)
+            consumers[v] = Consumer(cfg, args.verify if v == verify_from else 0)
             consumers[v].start()
         for v in args.variants:  # each one's start-up time, so a run cut short says where its time went
             wait_healthy(ports[v], procs[v], logs[v], args.start_timeout)
@@ -332,7 +339,7 @@ def main() -> None:
                         raise SystemExit(f"{v} server ({state}) failed at concurrency {c}: {e}\n"
                                          f"its first error lines ({logs[v]}):\n" + "\n".join(errs[:3] + errs[-3:]))
                     if v in consumers:  # every request (the initial test request and warm-ups too) leaves a record
-                        con, want = consumers[v], r["server_requests"]
+                        con, want = consumers[v], 0 if v in NO_RECORDS else r["server_requests"]
                         deadline = time.monotonic() + 60
                         while con.count - before < want and time.monotonic() < deadline and con.error is None:
                             time.sleep(0.05)
@@ -350,6 +357,8 @@ def main() -> None:
             if args.json:  # the raw rounds so far: what a run stopped from outside leaves
                 Path(args.json).write_text(json.dumps({"args": vars(args), "layers": layers, "partial": True,
                                                        "rounds_done": rnd + 1, "raw": results}, indent=1, default=str))
+        # a floor server must write nothing: any record it wrote, in any round, has landed by now
+        stray = {v: consumers[v].count for v in caps if v in NO_RECORDS and consumers[v].count}
         for con in consumers.values():
             con.stop.set()
             con.join(10)
@@ -384,7 +393,7 @@ def main() -> None:
                       f"{q['p99_ttft_ms']:>9.1f} {got:>5}/{want:<5}")
             table.append(row)
         verified = None
-        sample = consumers[caps[0]].sample
+        sample = consumers[verify_from].sample
         if sample:
             from layertap.verify import verify_records
 
@@ -392,12 +401,12 @@ def main() -> None:
                 _stop(proc)
             # fp32 reference; half-precision records get the noise floor of HF's own pass in their dtype
             rep = verify_records(sample, model)
-            verified = {"variant": caps[0], "records": rep.records, "tokens": rep.tokens, "ok": bool(rep.ok),
+            verified = {"variant": verify_from, "records": rep.records, "tokens": rep.tokens, "ok": bool(rep.ok),
                         "min_cosine_by_layer": {lid: st.min_cos for lid, st in rep.per_layer.items()},
                         "hf_half_vs_fp32_min_cosine_by_layer": {lid: st.noise_min_cos for lid, st in rep.per_layer.items()},
                         "allowed_min_cosine_by_layer": {lid: st.allowed_min_cos for lid, st in rep.per_layer.items()},
                         "failures": rep.failures[:10]}
-            print(f"HF check of {rep.records} records served by {caps[0]} ({rep.tokens} tokens) against HF fp32: "
+            print(f"HF check of {rep.records} records served by {verify_from} ({rep.tokens} tokens) against HF fp32: "
                   f"{'OK' if rep.ok else 'MISMATCH'}; worst cosine by layer {verified['min_cosine_by_layer']}; "
                   f"HF's own {rep.noise_dtype or '-'} pass {verified['hf_half_vs_fp32_min_cosine_by_layer']}")
         if args.json:
@@ -406,8 +415,8 @@ def main() -> None:
                                                   indent=1, default=str))
         missing = [(r["concurrency"], v, e["records"], e["requests"]) for r in table for v, e in r["variants"].items()
                    if e["records"] != e["requests"]]
-        if missing or (verified is not None and not verified["ok"]) or not sample:
-            raise SystemExit(f"records missing or wrong: {missing}")
+        if missing or stray or (verified is not None and not verified["ok"]) or not sample:
+            raise SystemExit(f"records missing or wrong: {missing}; written by servers that write none: {stray}")
     finally:
         if gen is not None:
             gen.close()

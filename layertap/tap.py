@@ -191,12 +191,7 @@ class Tap:
                  "capture_path": self.capture_path, "layer_ids": list(self.layers)}
         # Connector switches (e.g. {"direct": False}: stage rows through pinned buffers instead of writing
         # them into transport memory in place); unknown keys are refused so a typo is not silently ignored.
-        opts = dict(kw.pop("connector_options", None) or {})
-        known = {"direct", "writer_queue", "device_commit", "full_graphs", "hook_scatter", "quiet_layers",
-                 "gather_only", "lean", "block_hashes"}
-        if set(opts) - known:
-            raise ValueError(f"unknown connector_options {sorted(set(opts) - known)}; known: {', '.join(sorted(known))}")
-        extra.update(opts)
+        extra.update(launch.check_connector_options(kw.pop("connector_options", None)))
         env = {**launch.engine_env(on_cuda, kw), watchdog.DIAG_ENV: str(self._wd.diag)}
         with launch.engine_env_set(env), self._wd.starting():
             return LLM(

@@ -26,6 +26,32 @@ OWNED_FLAGS = ("model", "speculative_config", "kv_transfer_config", "worker_cls"
 """Engine arguments layertap sets itself; a command line may not give them."""
 
 
+CONNECTOR_OPTIONS = ("direct", "writer_queue", "device_commit", "full_graphs", "hook_scatter", "quiet_layers",
+                     "gather_only", "lean", "block_hashes")
+"""Connector switches a caller may set (the Tap's ``connector_options``, ``layertap serve --connector-options``):
+record-path variants and benchmark aids, each read by the connector from its extra config."""
+SERVE_ONLY_OPTIONS = ("skip_reads",)
+"""Also accepted by ``layertap serve``: ``skip_reads`` runs the capture engine and connector but reads and
+writes no record (a benchmark's floor; a Tap would wait for records that never come)."""
+
+
+class ConnectorOptionError(ValueError):
+    """Connector options that are not a mapping of known switches; the message names the problem."""
+
+
+def check_connector_options(opts: Any, allowed: tuple[str, ...] = CONNECTOR_OPTIONS) -> dict[str, Any]:
+    """``opts`` as a dict, or ``ConnectorOptionError`` naming what is wrong: not a mapping, or a key that is not a known
+    option (a typo would otherwise be ignored by the connector without a word)."""
+    if opts is None:
+        return {}
+    if not isinstance(opts, dict):
+        raise ConnectorOptionError(f"connector options must be a mapping of option to value, got {type(opts).__name__}")
+    unknown = sorted(set(opts) - set(allowed))
+    if unknown:
+        raise ConnectorOptionError(f"unknown connector options {unknown}; known: {', '.join(sorted(allowed))}")
+    return dict(opts)
+
+
 class EngineFlagError(ValueError):
     """A vLLM engine flag on the command line that layertap sets itself; the message names it."""
 

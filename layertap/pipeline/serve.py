@@ -41,6 +41,9 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--capture-path", choices=("hook", "extract"), default="hook",
                    help="hook (default): the model runner writes the rows, no speculative decoding; extract: "
                         "vLLM's extract_hidden_states method")
+    p.add_argument("--connector-options", default=None, metavar="JSON",
+                   help='advanced: connector switches as a JSON object, e.g. \'{"lean": false}\' (the torch record '
+                        'path) or \'{"skip_reads": true}\' (no record read or written: a benchmark\'s floor)')
     p.set_defaults(func=run_serve, accepts_engine_flags=True)
 
 
@@ -79,13 +82,28 @@ def run_meta(model: str, layers: list[int]) -> tuple[dict[str, Any], list[int]]:
             "format_version": 1, "source": "serve"}, ids
 
 
+def connector_options(text: str | None) -> dict[str, Any]:
+    """``--connector-options``: a JSON object of known connector switches, or ``ConnectorOptionError`` naming the
+    problem."""
+    from layertap.engine import launch
+
+    if not text:
+        return {}
+    try:
+        opts = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise launch.ConnectorOptionError(f"--connector-options is not JSON ({e.msg}): {text!r}") from None
+    return launch.check_connector_options(opts, launch.CONNECTOR_OPTIONS + launch.SERVE_ONLY_OPTIONS)
+
+
 def server_argv(args: argparse.Namespace, tcfg: dict[str, Any], meta: dict[str, Any], ids: list[int]) -> list[str]:
     from layertap.engine import launch
     from layertap.tap import owner_info
 
     path = getattr(args, "capture_path", None) or "hook"
+    opts = connector_options(getattr(args, "connector_options", None))
     extra = {"transport": tcfg, "run_meta": meta, "capture_all": bool(args.capture_all), "owner": owner_info(),
-             "default_mode": "generate", "capture_path": path, "layer_ids": list(ids)}
+             "default_mode": "generate", "capture_path": path, "layer_ids": list(ids), **opts}
     capture = launch.engine_capture_kwargs(path, ids, {})
     flags = [*(["--speculative-config", json.dumps(capture["speculative_config"])] if "speculative_config" in capture
                else []), *(["--worker-cls", capture["worker_cls"]] if "worker_cls" in capture else [])]
@@ -100,6 +118,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from layertap.pipeline.evaluate import stop_tree
     from layertap.transport.base import get_transport
 
+    connector_options(getattr(args, "connector_options", None))  # refused before the transport is made
     meta, ids = run_meta(args.model, _layers(args.layers))
     name, tcfg = transport_config(args)
     if name == "file":
