@@ -5,6 +5,9 @@ apart; the dots show how far single rounds spread, which a median alone hides.
 
     python benchmarks/plot_overhead.py benchmarks/results/2026-12-03-s32/capture_overhead.json \\
         benchmarks/results/2026-12-03-s32/serve_overhead.json --out overhead.png
+
+A run stopped from outside still plots: a serving JSON with only its raw rounds, or a prefill run's log
+(``capture_overhead.log``: every whole round in it).
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ def prefill_panels(d: dict) -> list[dict]:
             pts.append((str(row["batch"]), [x / p for x, p in zip(got, plain) if p]))
         series[v] = pts
     a = d["args"]
-    title = (f"prefill {a['prompts']} x {a['prompt_len']} tokens, hidden {a['hidden']} x {a['num_layers']} layers "
-             f"({d.get('device', '')})")
+    title = (f"prefill {a['prompts']} x {a['prompt_len']} tokens, hidden {a['hidden']} x {a['num_layers']} layers"
+             + (f" ({d['device']})" if d.get("device") else ""))
     return [{"title": title, "xlabel": "requests in flight", "ylabel": "tokens/s, variant / plain",
              "series": series, "goal": 0.97}]
 
@@ -54,8 +57,39 @@ def serve_panels(d: dict) -> list[dict]:
              "goal": 1.03}]
 
 
-def panels_of(path: Path) -> list[dict]:
+def prefill_from_log(text: str, label: str | None = None) -> dict:
+    """A capture_overhead result rebuilt from its log's round lines (``round R/N in-flight B VARIANT: T tok/s``),
+    for a run stopped before it wrote its JSON: every round that finished, as the JSON would hold it."""
+    import re
+
+    rounds: dict[tuple[int, int], dict[str, float]] = {}
+    head = ""
+    for line in text.splitlines():
+        if line.startswith("capture overhead on "):
+            head = line
+        m = re.match(r"\s*round (\d+)/\d+ in-flight\s+(\d+)\s+(\S+):\s+([\d.]+) tok/s", line)
+        if m:
+            rounds.setdefault((int(m[2]), int(m[1])), {})[m[3]] = float(m[4])
+    if not rounds:
+        raise SystemExit("no round lines in this log")
+    variants = list(dict.fromkeys(v for r in rounds.values() for v in r))
+    rows = []
+    for b in sorted({b for b, _ in rounds}):
+        done = [r for (bb, _), r in sorted(rounds.items()) if bb == b and set(r) == set(variants)]  # whole rounds
+        rows.append({"batch": b, **{f"{v}_rounds": [r[v] for r in done] for v in variants}})
+    shape = re.search(r"(\d+) x (\d+)-token prefill, hidden (\d+), (\d+) layers", label or head)
+    a = dict(zip(("prompts", "prompt_len", "hidden", "num_layers"), map(int, shape.groups()))) if shape else \
+        dict.fromkeys(("prompts", "prompt_len", "hidden", "num_layers"), "?")
+    return {"args": {**a, "variants": variants}, "rows": rows, "device": head.split(":")[0][len("capture overhead on "):]}
+
+
+def panels_of(path: Path, label: str | None = None) -> list[dict]:
+    if path.suffix == ".log":
+        return prefill_panels(prefill_from_log(path.read_text(errors="replace"), label))
     d = json.loads(path.read_text())
+    if not d.get("rows") and d.get("raw"):  # a serving run stopped early: the raw rounds it wrote after each
+        d["rows"] = [{"concurrency": int(c), "rounds": {v: d["raw"][v][c] for v in d["raw"]}}
+                     for c in d["raw"]["plain"]]
     if "rows" in d and d["rows"] and "concurrency" in d["rows"][0]:
         return serve_panels(d)
     if "rows" in d and d["rows"] and "batch" in d["rows"][0]:
@@ -100,10 +134,13 @@ def plot(panels: list[dict], out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", nargs="+", type=Path, help="capture_overhead / serve_overhead JSON files")
+    ap.add_argument("results", nargs="+", type=Path, help="capture_overhead / serve_overhead JSON files (or a capture_overhead .log)")
     ap.add_argument("--out", type=Path, default=Path("overhead.png"))
+    ap.add_argument("--log-shape", default=None, metavar="TEXT",
+                    help="for a log cut short before its summary header: the shape as that header gives it, e.g. "
+                         "'256 x 1024-token prefill, hidden 2048, 16 layers'")
     args = ap.parse_args()
-    panels = [p for r in args.results for p in panels_of(r)]
+    panels = [p for r in args.results for p in panels_of(r, args.log_shape)]
     plot(panels, args.out)
     print(f"wrote {args.out} ({len(panels)} panels)")
 

@@ -12,7 +12,11 @@ counted against the requests completed.
     python benchmarks/serve_overhead.py                                   # CPU: tiny model, short runs
     python benchmarks/serve_overhead.py --hidden 2048 --num-layers 16 --head-dim 128 --dtype bfloat16 \\
         --input-len 512 --output-len 256 --concurrency 1,16,64 \\
-        --variants plain,capture,capture-piecewise                       # GPU (scripts/gpu_check.sh serve)
+        --variants plain,capture,floor                                   # GPU (scripts/gpu_check.sh serve)
+
+``floor``: the capture server with ``--connector-options '{"skip_reads": true}'`` (the capture engine and the
+connector, no record read or written; it must write none). capture / floor is the record path's share of a
+gap, floor / plain the capture engine's.
 """
 
 from __future__ import annotations
@@ -197,8 +201,8 @@ def bench(gen: LoadGenerator, port: int, model: str, args, concurrency: int, out
         "server_itl_ms": 1e3 * d["vllm:inter_token_latency_seconds_sum"] / max(1.0, d["vllm:inter_token_latency_seconds_count"])}
 
 
-# The capture servers this benchmark can start, by the engine environment that makes each (see layertap's
-# engine.compat): capture is the default (vLLM's FULL CUDA graphs kept for decode); capture-piecewise lets
+# The capture servers this benchmark can start, by the engine environment and flags that make each (see
+# layertap's engine.compat): capture is the default (vLLM's FULL CUDA graphs kept for decode); capture-piecewise lets
 # vLLM fall back to PIECEWISE graphs as it does for its own cache-only layer (every decode step then
 # launches each attention layer eagerly: the default before 2026-12-02, 0.35-0.67 of plain on the H200).
 CAPTURE_VARIANTS = {  # variant: (environment, extra `layertap serve` flags)

@@ -18,8 +18,9 @@
 #                                      # speculative decoding, report (benchmarks/gpu_loop.py; exit 75: call again)
 #   bash scripts/gpu_check.sh serve   # layertap serve --capture-all vs vllm serve, all under `vllm bench serve`
 #                                      # (512 in / 256 out, concurrency 1,16,64; needs .gpubundle/serve wheels;
-#                                      # SERVE_VARIANTS (plain,capture; add capture-piecewise to see vLLM's
-#                                      # PIECEWISE fallback, settled in RESULTS 2026-12-02), side by side,
+#                                      # SERVE_VARIANTS (plain,capture; add floor for the capture engine
+#                                      # without records, capture-piecewise for vLLM's PIECEWISE fallback,
+#                                      # settled in RESULTS 2026-12-02), side by side,
 #                                      # SERVE_ROUNDS (3) interleaved rounds;
 #                                      # SERVE_DEADLINE: no round starts that would end past it, s from the
 #                                      # benchmark's start; leave ~60 s for the HF check after the rounds)

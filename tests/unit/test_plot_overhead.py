@@ -37,3 +37,26 @@ def test_other_json_is_refused_by_name(tmp_path):
     (tmp_path / "x.json").write_text(json.dumps({"rows": []}))
     with pytest.raises(SystemExit, match="not a capture_overhead or serve_overhead result"):
         plot_overhead.panels_of(tmp_path / "x.json")
+
+
+def test_runs_stopped_early_still_plot_from_what_they_left(tmp_path):
+    """A prefill log cut short (whole rounds only: a round missing a variant is left out) and a serving JSON that
+    holds only the raw rounds written after each round."""
+    log = "\n".join([
+        "--- plain, capture",
+        "  round 1/4 in-flight   1                  plain:      100 tok/s (4 pieces)  (occupancy 1.00)",
+        "  round 1/4 in-flight   1                capture:       90 tok/s (4 pieces)",
+        "  round 2/4 in-flight   1                capture:      210 tok/s",
+        "  round 2/4 in-flight   1                  plain:      200 tok/s",
+        "  round 1/4 in-flight  16                  plain:      400 tok/s",
+        "  round 1/4 in-flight  16                capture:      380 tok/s",
+        "  round 2/4 in-flight  16                  plain:      400 tok/s",  # its capture never ran
+    ])
+    (tmp_path / "c.log").write_text(log)
+    (pre,) = plot_overhead.panels_of(tmp_path / "c.log", "4 x 8-token prefill, hidden 64, 2 layers")
+    assert pre["series"]["capture"] == [("1", [0.9, 1.05]), ("16", [0.95])]
+    assert "hidden 64 x 2 layers" in pre["title"]
+    (tmp_path / "s.json").write_text(json.dumps({"args": SERVE["args"], "partial": True, "rounds_done": 2,
+                                                 "raw": {v: {"1": rs} for v, rs in SERVE["rows"][0]["rounds"].items()}}))
+    thr, _ = plot_overhead.panels_of(tmp_path / "s.json")
+    assert thr["series"]["capture"] == [("1", [0.9, 1.0])]
