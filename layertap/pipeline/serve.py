@@ -41,7 +41,7 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--capture-path", choices=("hook", "extract"), default="hook",
                    help="hook (default): the model runner writes the rows, no speculative decoding; extract: "
                         "vLLM's extract_hidden_states method")
-    p.add_argument("--connector-options", default=None, metavar="JSON",
+    p.add_argument("--connector-options", type=_connector_options_arg, default={}, metavar="JSON",
                    help='advanced: connector switches as a JSON object, e.g. \'{"lean": false}\' (the torch record '
                         'path) or \'{"skip_reads": true}\' (no record read or written: a benchmark\'s floor)')
     p.set_defaults(func=run_serve, accepts_engine_flags=True)
@@ -82,6 +82,16 @@ def run_meta(model: str, layers: list[int]) -> tuple[dict[str, Any], list[int]]:
             "format_version": 1, "source": "serve"}, ids
 
 
+def _connector_options_arg(text: str) -> dict[str, Any]:
+    """argparse's reading of ``--connector-options``: parsed and checked once, refused with the problem named."""
+    from layertap.engine import launch
+
+    try:
+        return connector_options(text)
+    except launch.ConnectorOptionError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def connector_options(text: str | None) -> dict[str, Any]:
     """``--connector-options``: a JSON object of known connector switches, or ``ConnectorOptionError`` naming the
     problem."""
@@ -101,7 +111,7 @@ def server_argv(args: argparse.Namespace, tcfg: dict[str, Any], meta: dict[str, 
     from layertap.tap import owner_info
 
     path = getattr(args, "capture_path", None) or "hook"
-    opts = connector_options(getattr(args, "connector_options", None))
+    opts = getattr(args, "connector_options", None) or {}  # checked when the command line was parsed
     extra = {"transport": tcfg, "run_meta": meta, "capture_all": bool(args.capture_all), "owner": owner_info(),
              "default_mode": "generate", "capture_path": path, "layer_ids": list(ids), **opts}
     capture = launch.engine_capture_kwargs(path, ids, {})
@@ -118,7 +128,6 @@ def run_serve(args: argparse.Namespace) -> int:
     from layertap.pipeline.evaluate import stop_tree
     from layertap.transport.base import get_transport
 
-    connector_options(getattr(args, "connector_options", None))  # refused before the transport is made
     meta, ids = run_meta(args.model, _layers(args.layers))
     name, tcfg = transport_config(args)
     if name == "file":

@@ -236,7 +236,7 @@ class ShmReservation(Reservation):
 
     def __init__(self, sink: ShmSink, key: str, head: int, span: int, length: int,
                  tensors: dict[str, torch.Tensor], commit_target: torch.Tensor | None = None, *,
-                 offsets: dict[str, int] | None = None, state_at: int = 0, device_commit: bool | None = None):
+                 offsets: dict[str, int] | None = None, state_at: int = 0, device_commit: bool = False):
         self.sink, self.key, self.head, self.span, self.length, self.tensors = sink, key, head, span, length, tensors
         self.commit_target = commit_target
         """Device commit with views: the slot's state word (int32, in the mapping); ``commit_word()`` goes there."""
@@ -244,7 +244,7 @@ class ShmReservation(Reservation):
         """Each field's first byte in the pool's mapping (``ShmSink.data_region``)."""
         self.state_at = state_at
         """The slot's state word in the mapping (where a device commit lands)."""
-        self.device_commit = commit_target is not None if device_commit is None else device_commit
+        self.device_commit = device_commit
         self._done = False
 
     def commit(self) -> None:

@@ -36,9 +36,20 @@ def test_serve_flag_refuses_bad_json_and_unknown_keys():
 
 def test_serve_options_reach_the_engines_connector_config():
     args = argparse.Namespace(capture_all=True, capture_path="hook", host="127.0.0.1", port=8123,
-                              engine_argv=["--max-model-len", "64"], connector_options='{"lean": false}')
+                              engine_argv=["--max-model-len", "64"], connector_options={"lean": False})
     argv = serve.server_argv(args, {"backend": "shm", "name": "x"}, {"model": "/m"}, [1, 2])
     cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     extra = cfg["kv_connector_extra_config"]
     assert extra["lean"] is False and extra["capture_all"] is True and extra["layer_ids"] == [1, 2], extra
     assert argv[-2:] == ["--max-model-len", "64"]
+
+
+def test_the_serve_command_line_refuses_bad_options_before_anything_starts(capsys):
+    """Parsed with the command line: `layertap serve` exits 2 naming the problem, before a model is read or a
+    transport made (the model path here does not exist)."""
+    from layertap.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model", "/nonexistent", "--layers", "1", "--connector-options", '{"leen": false}'])
+    assert e.value.code == 2
+    assert "unknown connector options ['leen']" in capsys.readouterr().err

@@ -14,5 +14,4 @@ def test_every_piece_is_timed_on_records_taken_back_whole(capsys):
     med = driver_record_cost.main(["--rows", "16", "--layers", "2", "--hidden", "8", "--iters", "5", "--warmup", "1"])
     assert set(med) == {"poll", "expect", "prove", "release", "empty poll", "total"}
     assert all(v > 0 for v in med.values()), med
-    assert med["total"] == med["poll"] + med["expect"] + med["prove"] + med["release"]
     assert "ratio to an empty poll" in capsys.readouterr().out
