@@ -25,6 +25,10 @@ Variants (``--variants``; the ratio column is ``capture`` over ``plain``, the ot
     capture-raw        the capture engine and transport of ``capture``, driven like plain (no Tap loop, no
                        proof; a thread takes the records off the transport): capture / capture-raw is the
                        Tap's share of the gap, capture-raw / plain the engine's and the record path's
+    capture-eager      capture with the Tap proving and handing out every committed record before its next
+                       engine step (Tap.defer_records=False); by default records wait while an engine output
+                       does (at least one a round): capture / capture-eager is what that ordering buys, and
+                       the ``late`` phase (--stats) shows the driver's delay in each
     capture-torch      capture on the torch record path (connector option lean=False: the gather on a side
                        stream, tensor views of the transport memory, torch copies), the default before the
                        lean path: capture / capture-torch is what the lean path buys
@@ -46,6 +50,7 @@ traces and their summaries (``trace_summary.py``) land in DIR, and a side-by-sid
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import random
@@ -112,14 +117,22 @@ class Timeline:
       engine core's own timestamps (one clock: CLOCK_MONOTONIC, shared by the processes of one machine):
       ``in`` add_request -> queued in the engine core, ``wait`` queued -> first scheduled, ``run`` scheduled
       -> the engine core's output carrying its last token, ``out`` that output -> the driver's ``step``
-      returns it. Which of them grows says where a variant's extra time per request is spent."""
+      returns it. Which of them grows says where a variant's extra time per request is spent.
+    - ``out`` split in three where the engine core runs in its own process (vLLM's ``SyncMPClient``): ``send``
+      the output's way to the driving process (the engine core's output thread, the socket, the driver's
+      receiving thread), ``late`` how long it then waited in the driver's queue before ``step`` asked for it
+      (the driver was busy elsewhere: its record work, the caller; a mean, the others are medians), ``proc``
+      vLLM's output processing until ``step`` returns. A grown ``send`` is the engine process's doing (e.g. its threads holding the GIL), a
+      grown ``late`` the driver's."""
 
-    PHASES = ("in", "wait", "run", "out")
+    PHASES = ("in", "wait", "run", "out", "send", "late", "proc")
 
     def __init__(self, engine):
         self.added: dict[str, float] = {}
         self.reset()
         add, step = engine.add_request, engine.step
+        self.last_get: tuple[float, float] | None = None  # (driver asked, output arrived) of the last get_output
+        self._watch_output_queue(getattr(engine, "engine_core", None))
 
         def add_request(request_id, *a, **k):
             t = time.monotonic()
@@ -149,11 +162,37 @@ class Timeline:
 
         engine.add_request, engine.step = add_request, step_
 
+    def _watch_output_queue(self, core) -> None:
+        """Stamp each engine-core output when the driver's receiving thread queues it, and when ``step`` asks
+        for it (vLLM's multiprocess client: ``outputs_queue`` and ``get_output``, the same in 0.25 and 0.32).
+        An in-process engine core has no queue: no split then."""
+        q, get = getattr(core, "outputs_queue", None), getattr(core, "get_output", None)
+        if q is None or get is None or not hasattr(q, "put_nowait"):
+            return
+        arrivals: collections.deque[float] = collections.deque()
+        put = q.put_nowait
+
+        def put_nowait(item):  # the receiving thread's only way into the queue (looked up on each call)
+            arrivals.append(time.monotonic())
+            put(item)
+
+        def get_output():
+            t_call = time.monotonic()
+            outs = get()
+            self.last_get = (t_call, arrivals.popleft() if arrivals else t_call)
+            return outs
+
+        q.put_nowait, core.get_output = put_nowait, get_output
+
     def _phases(self, out, t_add: float, t_done: float) -> None:
         m = getattr(out, "metrics", None)
         q, s, f = (getattr(m, k, 0.0) or 0.0 for k in ("queued_ts", "scheduled_ts", "last_token_ts"))
         if q and s and f:  # stats on: engine-core timestamps of this request
-            for k, v in zip(self.PHASES, (q - t_add, s - q, f - s, t_done - f)):
+            vals = [q - t_add, s - q, f - s, t_done - f]
+            if self.last_get is not None:
+                asked, arrived = self.last_get
+                vals += [arrived - f, max(0.0, asked - arrived), t_done - max(asked, arrived)]
+            for k, v in zip(self.PHASES, vals):
                 self.phases[k].append(v)
 
     def reset(self) -> None:
@@ -194,8 +233,8 @@ class Timeline:
         if self.turnaround:
             out["turnaround_ms"] = 1e3 * statistics.median(self.turnaround)
         for k, v in self.phases.items():
-            if v:
-                out[f"{k}_ms"] = 1e3 * statistics.median(v)
+            if v:  # late: a mean (most outputs wait not at all; a median would hide the ones that do)
+                out[f"{k}_ms"] = 1e3 * (statistics.fmean(v) if k == "late" else statistics.median(v))
         return out
 
 
@@ -320,7 +359,7 @@ def shm_slots(args) -> int:
 class Capture:
     """layertap capture through the Tap: every record is counted and its token digest proven."""
 
-    def __init__(self, model, data, args, **extra):
+    def __init__(self, model, data, args, defer_records: bool = True, **extra):
         from layertap.tap import Tap
 
         self.inputs = [{"token_ids": ids} for ids in data]
@@ -333,6 +372,7 @@ class Capture:
                                          "checksum": args.checksum} if args.transport == "shm" else None,
                        out=args.out if args.transport == "file" else None, zero_copy=args.transport == "shm",
                        **engine_kwargs(args), **extra)
+        self.tap.defer_records = defer_records
 
     def rate(self, inflight: int, data=None) -> float:
         inputs = self.inputs if data is None else [{"token_ids": ids} for ids in data]
@@ -429,6 +469,7 @@ VARIANTS = {
     "floor-hashed": lambda m, d, a: Floor(m, d, a, hashed=True, **profiler_kwargs(a, "floor-hashed")),
     "capture": lambda m, d, a: Capture(m, d, a, **profiler_kwargs(a, "capture")),
     "capture-raw": lambda m, d, a: CaptureRaw(m, d, a, **profiler_kwargs(a, "capture-raw")),
+    "capture-eager": lambda m, d, a: Capture(m, d, a, defer_records=False, **profiler_kwargs(a, "capture-eager")),
     "capture-torch": lambda m, d, a: Capture(m, d, a, connector_options={"lean": False},
                                              **profiler_kwargs(a, "capture-torch")),
     "capture-piecewise": lambda m, d, a: Capture(m, d, a, connector_options={"full_graphs": False},
@@ -489,6 +530,7 @@ def measure(variants: list[str], model, data, args) -> dict[str, dict]:
                 rates: dict[str, list[float]] = {v: [] for v in variants}
                 for v in variants:
                     timelines[v].reset()
+                deferred0 = {v: getattr(getattr(runners[v], "tap", None), "deferrals", 0) for v in variants}
                 parts = chunks_of(data, b, args.chunk)
                 for i, part in enumerate(parts):  # each piece on every engine back to back, order rotating
                     j = i % len(order)
@@ -501,13 +543,17 @@ def measure(variants: list[str], model, data, args) -> dict[str, dict]:
                     pieces[v][b].append(rates[v])
                     seen[v][b].append(timelines[v].summary(b))
                     tl = seen[v][b][-1]
+                    if tl and hasattr(runners[v], "tap"):  # rounds of the Tap's loop in which records waited
+                        tl["deferrals"] = runners[v].tap.deferrals - deferred0[v]
                     print(f"  round {rnd + 1}/{args.repeats} in-flight {b:>3} {v:>22}: {out[v][b][-1]:>10.0f} tok/s"
                           + (f" ({len(parts)} pieces)" if len(parts) > 1 else "")
                           + (f"  (occupancy {tl['occupancy']:.2f}, latency {tl['latency_ms']:.1f} ms, "
                              f"mean {tl['latency_mean_ms']:.1f}, p90 {tl['latency_p90_ms']:.1f}, "
                              f"{tl['per_output']:.0f} per output"
                              + "".join(f", {p} {tl[p + '_ms']:.2f}" for p in ("turnaround", *Timeline.PHASES)
-                                       if p + "_ms" in tl) + ")" if tl else ""), flush=True)
+                                       if p + "_ms" in tl)
+                             + (f", {tl['deferrals']} deferrals" if "deferrals" in tl else "") + ")" if tl else ""),
+                          flush=True)
         profiles = profile_engines(runners, data, args) if args.profile_dir else {}
         return {"rates": out, "pieces": pieces, "timeline": seen, "profiles": profiles}
     finally:
@@ -731,15 +777,17 @@ def print_timeline(timeline: dict[str, dict[int, list[dict]]], args) -> None:
     if not keys:
         return
     print(f"\nper request, ms (median over rounds of each round's median): {' / '.join(keys)}"
-          + (" (in / wait / run / out: the engine core's timestamps, --stats)" if "run" in keys else ""))
-    print(f"{'in-flight':>9}" + "".join(f" {v:>34}" for v in args.variants))
+          + (" (in / wait / run / out: the engine core's timestamps, --stats; out = send + late + proc)"
+             if "run" in keys else ""))
+    width = max(34, 8 * len(keys))
+    print(f"{'in-flight':>9}" + "".join(f" {v:>{width}}" for v in args.variants))
     for b in args.batch_sizes:
         line = f"{b:>9}"
         for v in args.variants:
             tls = [t for t in timeline.get(v, {}).get(b, []) if t]
             vals = [statistics.median(t[f"{k}_ms"] for t in tls) if tls and all(f"{k}_ms" in t for t in tls) else
                     float("nan") for k in keys]
-            line += " " + " / ".join(f"{x:.2f}" for x in vals).rjust(34)
+            line += " " + " / ".join(f"{x:.2f}" for x in vals).rjust(width)
         print(line)
 
 

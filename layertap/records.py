@@ -232,10 +232,12 @@ def deserialize(buf: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Te
         if base + b > len(mv):
             raise IncompleteRecordError(f"tensor {name!r} runs past the payload ({base + b} > {len(mv)})")
         dtype = _DTYPES[info["dtype"]]
-        if b > a:
+        if b > a and mv.readonly:
             with warnings.catch_warnings():  # read-only maps are fine: records are never written in place
                 warnings.simplefilter("ignore", UserWarning)
                 t = torch.frombuffer(mv[base + a : base + b], dtype=torch.uint8).view(dtype)
+        elif b > a:  # a writable buffer (the shm pool): torch has nothing to warn about
+            t = torch.frombuffer(mv[base + a : base + b], dtype=torch.uint8).view(dtype)
         else:
             t = torch.empty(0, dtype=dtype)
         tensors[name] = t.reshape(info["shape"])

@@ -76,7 +76,7 @@ def _loss_spans(mask: list[int] | None) -> list[list[int]] | None:
 
 
 def _engine_died(expect: dict, by_req: dict, queue: list) -> MissingRecords:
-    lost = sorted([it.index for it, _ in expect.values()] + [it.index for it in by_req.values()]
+    lost = sorted([it.index for it, *_ in expect.values()] + [it.index for it in by_req.values()]
                   + [it.index for it in queue])
     return MissingRecords(f"the vLLM engine died; {len(lost)} inputs have no record: indices "
                           f"{lost[:20]}{' ...' if len(lost) > 20 else ''}")
@@ -112,6 +112,11 @@ class Tap:
         self.stall_timeout = 10.0
         """Seconds the transport may stay full with nothing in flight before ``TransportFull`` is raised."""
         self.max_inflight = max_inflight
+        self.defer_records = True
+        """While the engine's next output already waits, take it before proving more records (at least one a
+        round). False (a benchmark aid, ``capture_overhead.py`` capture-eager): every committed record first."""
+        self.deferrals = 0
+        """Rounds in which records waited for an engine output (``defer_records``), over the Tap's life."""
         self.run = uuid.uuid4().hex[:8]
         on_cuda = torch.cuda.is_available()
         if os.environ.get("LAYERTAP_ALLOW_KNOWN_BUGS") != "1":
@@ -265,7 +270,7 @@ class Tap:
 
     def _run(self, todo: list[InputItem], sp, mode: str) -> Iterator[Record]:
         by_req: dict[str, InputItem] = {}
-        expect: dict[str, tuple[InputItem, list[int]]] = {}  # record key -> (item, expected token ids)
+        expect: dict[str, tuple[InputItem, list[int], str]] = {}  # record key -> (item, its token ids, their digest)
         try:
             yield from self._loop(todo, sp, mode, by_req, expect)
         finally:
@@ -319,6 +324,10 @@ class Tap:
             return n
 
         inproc = compat.engine_core_in_process(self.llm)
+        # Records come second to the engine's output: while the engine core's next output already waits in
+        # this process, the driver takes it (and refills from it) before proving and handing out more records;
+        # at least one record goes per round, so records never starve (None: no queue to look at).
+        output_waiting = compat.output_waiting_check(self.llm) if self.defer_records else None
         while queue or running or expect:
             running += admit()
             if running:
@@ -354,18 +363,27 @@ class Tap:
             # Wait for records only when there is nothing else to do: no request running and none to admit
             # (else a record in flight would hold up the next request's admission).
             idle = not running and not (queue and self._can_admit(running, len(expect)))
-            for rec in self.source.poll(timeout=0.05 if idle else 0.0):
-                if rec.meta.get("run") != self.run:
-                    raise CaptureError(f"record {rec.key} (index {rec.index}) belongs to another run")
-                if rec.key in self._stale_keys or self._abandoned(rec):  # from an iteration the caller left
-                    self._stale_keys.discard(rec.key)
-                    rec.release()
-                    continue
-                early[rec.key] = rec
+            hurry = output_waiting if running else None
+            if hurry is None or not hurry() or not any(k in expect for k in early):
+                for rec in self.source.poll(timeout=0.05 if idle else 0.0):
+                    if rec.meta.get("run") != self.run:
+                        raise CaptureError(f"record {rec.key} (index {rec.index}) belongs to another run")
+                    if rec.key in self._stale_keys or self._abandoned(rec):  # from an iteration the caller left
+                        self._stale_keys.discard(rec.key)
+                        rec.release()
+                        continue
+                    early[rec.key] = rec
+            else:
+                self.deferrals += 1
+            handed = 0
             for key in [k for k in early if k in expect]:
+                if handed and hurry is not None and hurry():
+                    self.deferrals += 1
+                    break
                 rec = early.pop(key)
                 self._prove(rec, *expect.pop(key))
                 last_progress = time.monotonic()
+                handed += 1
                 yield rec
             if compat.engine_dead(self.llm):
                 raise _engine_died(expect, by_req, queue)
@@ -383,32 +401,42 @@ class Tap:
                     "already yielded still hold it. Call rec.release() when done with a zero-copy record "
                     f"(or use zero_copy=False); {len(queue)} inputs are waiting")
             if not running and expect and time.monotonic() - last_progress > self.record_timeout:
+                for it, want, digest in expect.values():  # a request whose tokens the engine changed says so
+                    self._check_engine_tokens(it, want, digest)
                 raise MissingRecords(f"{len(expect)} records never arrived within {self.record_timeout:.0f}s: "
-                                     + ", ".join(f"index {it.index} ({k})" for k, (it, _) in list(expect.items())[:10]))
+                                     + ", ".join(f"index {it.index} ({k})" for k, (it, *_) in list(expect.items())[:10]))
         if early:
             raise CaptureError("records matching no request of this run: "
                                + ", ".join(f"{k} (index {r.index})" for k, r in list(early.items())[:10]))
 
-    def _expected(self, out, it: InputItem, mode: str) -> dict[str, tuple[InputItem, list[int]]]:
-        res = {}
+    def _expected(self, out, it: InputItem, mode: str) -> dict[str, tuple[InputItem, list[int], str]]:
+        """The record this finished request must deliver: its key -> (input, the token ids it must carry, the
+        engine's digest of them). The digests are compared when the record is proven (``_prove``), work that
+        waits while an engine output does; what is checked here needs no hashing."""
         params = (out.kv_transfer_params or {}).get(PARAMS_KEY) if out.kv_transfer_params else None
         if params is None or params.get("status") != "saving":
             raise CaptureError(f"input {it.index} (request {out.request_id}) finished without a capture "
                                f"(kv_transfer_params={out.kv_transfer_params}); was it aborted?")
         if mode == "prompt":
-            want = list(it.token_ids)
+            want = it.token_ids
         else:
             comp = out.outputs[0]
             want = (list(it.token_ids) + list(comp.token_ids))[: params["num_rows"]]
-        if token_digest(want) != params["token_digest"]:
-            raise CaptureError(f"input {it.index}: the engine's token ids for request {out.request_id} differ "
-                               "from the tokens submitted")
-        res[params["key"]] = (it, want)
-        return res
+        return {params["key"]: (it, want, params["token_digest"])}
 
-    def _prove(self, rec: Record, it: InputItem, want: list[int]) -> None:
-        """The record must carry exactly this request's tokens; the first records get deeper checks."""
-        if rec.token_ids.tolist() != want:
+    @staticmethod
+    def _check_engine_tokens(it: InputItem, want: list[int], digest: str) -> str:
+        """The engine's digest must be that of the tokens submitted (and generated); returns it."""
+        if token_digest(want) != digest:
+            raise CaptureError(f"input {it.index}: the engine's token ids for its request differ from the tokens "
+                               "submitted")
+        return digest
+
+    def _prove(self, rec: Record, it: InputItem, want: list[int], digest: str) -> None:
+        """The record must carry exactly this request's tokens (sha256 of its token ids against that of the
+        tokens submitted, which the engine reported too); the first records get deeper checks."""
+        self._check_engine_tokens(it, want, digest)
+        if token_digest(rec.token_ids) != digest:
             raise CaptureError(f"record {rec.key}: token ids differ from input {it.index}'s")
         if rec.index != it.index:
             raise CaptureError(f"record {rec.key}: index {rec.index} != input index {it.index}")

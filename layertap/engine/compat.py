@@ -26,12 +26,13 @@ engine (``launch``), the rewindable CPU generator (``seed_rewind``), the cache-v
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
 import weakref
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -202,6 +203,23 @@ def engine_core_in_process(llm: Any) -> bool:
     finished request to the connector's save comes after the step it finished in)."""
     core = getattr(llm.llm_engine, "engine_core", None)
     return type(core).__name__ == "InprocClient"
+
+
+def output_waiting_check(llm: Any) -> Callable[[], bool] | None:
+    """A test, a few hundred nanoseconds, of whether the engine core's next output already waits in this
+    process: vLLM's multiprocess client (``SyncMPClient``, 0.25 and 0.32) has a receiving thread put each
+    output into ``outputs_queue``, which ``step()`` then reads. ``None`` for an in-process core (it steps
+    only when called). A multiprocess client without that queue is a vLLM this module does not know: said
+    once in the log, and the Tap then handles records as they come."""
+    core = getattr(llm.llm_engine, "engine_core", None)
+    q = getattr(core, "outputs_queue", None)
+    items = getattr(q, "queue", None)  # queue.Queue's deque: its length is read without the queue's lock
+    if isinstance(items, collections.deque):
+        return lambda: len(items) > 0
+    if core is not None and type(core).__name__ != "InprocClient":
+        log.warning("layertap: vLLM %s's engine client %s has no outputs_queue; records are handled as they "
+                    "come, not deferred while an engine output waits", vllm_version(), type(core).__name__)
+    return None
 
 
 def engine_dead(llm: Any) -> bool:

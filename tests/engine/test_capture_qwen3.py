@@ -40,6 +40,51 @@ def test_many_concurrent_requests_of_very_different_lengths(tap, model):
     assert_all_match(recs, model)
 
 
+def test_the_engine_output_waiting_in_the_driver_is_seen(tap):
+    """The seam the Tap's record deferral reads: the CPU build's engine core runs in its own process, and
+    its output shows in the driver's queue before ``step`` takes it."""
+    import time
+
+    from vllm import SamplingParams, TokensPrompt
+
+    from layertap.engine import compat
+
+    waiting = compat.output_waiting_check(tap.llm)
+    assert waiting is not None, "the multiprocess engine client's output queue was not found"
+    engine = tap.llm.llm_engine
+    while engine.has_unfinished_requests() or waiting():  # an earlier capture's last outputs (its saves' step)
+        engine.step()
+    engine.add_request("seen-waiting", TokensPrompt(prompt_token_ids=[11, 12, 13]), SamplingParams(max_tokens=1))
+    deadline = time.monotonic() + 60
+    while not waiting():
+        assert time.monotonic() < deadline, "the engine's output never reached the driver's queue"
+        time.sleep(0.002)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [o.request_id for o in outs if o.finished] == ["seen-waiting"]
+
+
+def test_records_wait_while_engine_output_does_and_all_are_proven(tap, model):
+    """A slow consumer: while it holds a record the engine's next outputs queue up in the driver, so the
+    Tap takes them before handing out more records (``deferrals``); every record still comes, right."""
+    import time
+
+    inputs = random_prompts(24, [40, 90, 20], seed=11)
+    before = tap.deferrals
+    tap.max_inflight = 8
+    recs = []
+    try:
+        for rec in tap.capture(inputs):
+            time.sleep(0.03)  # longer than an engine step of this model here: outputs wait meanwhile
+            recs.append(rec)
+    finally:
+        tap.max_inflight = None
+    assert sorted(r.index for r in recs) == list(range(24))
+    assert tap.deferrals > before, "no record waited for an engine output"
+    assert_all_match(recs, model)
+
+
 def test_prefix_caching_hits_are_captured_right(tap, model):
     prefixes = random_prompts(3, [260], seed=2)
     suffixes = random_prompts(30, [5, 40, 90], seed=3)
