@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The next H200 lease for issue 15, as one script (scripts/gpu_bg.sh start 'bash scripts/lease_issue15.sh'; see
+# benchmarks/RESULTS.md for the call chain that brings vLLM and the serve wheels). In order of what it must
+# settle, each step writing under $OUT before the next starts, so a lease cut short still answers the first:
+#   1. Small model, 1-16 in flight, where capture is short (0.83-0.93): is the driver late to the engine's
+#      output (capture_overhead --stats: out = send + late + proc), and does handling records only while no
+#      output waits (capture, the default since 2026-12-05) beat handling them at once (capture-eager)?
+#      Six rounds of short pieces: the 'in' phase is bimodal on that host, so ranges need many rounds.
+#   2. Serving the 8B shape, 3 rounds (the last lease got 2) and the HF check of served records on the GPU.
+#   3. Prefill of the 8B shape at every batch size (1 in flight was 0.93).
+# About 3 + 7 + 8 + 6 min of device time.
+set -u
+T0=$(date +%s); el() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
+SKIP_TRAIN_BENCH=1 SKIP_PROFILE=1 BENCH_REPEATS=6 BENCH_BATCH_SIZES=1,4,16 \
+  BENCH_VARIANTS=plain,floor,capture,capture-eager BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats" \
+  bash scripts/gpu_check.sh bench
+mkdir -p "$OUT/small" && mv "$OUT"/capture_overhead.* "$OUT/small/"
+el "small prefill"
+for i in $(seq 300); do [ -f "$HOME/serve-wheels/.done" ] && break; sleep 2; done
+ln -sfn "$HOME/serve-wheels" .gpubundle/serve
+SERVE_ROUNDS=3 SERVE_DEADLINE=470 SERVE_VARIANTS=plain,capture \
+  SERVE_ARGS="--hidden 4096 --num-layers 32 --gpu-build --verify 8" bash scripts/gpu_check.sh serve
+el "serve"
+source "$HOME/vllm-site/env.sh"
+export PYTHONPATH=$PWD LAYERTAP_CACHE=/tmp/layertap-cache VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+timeout 420 python3 benchmarks/capture_overhead.py --hidden 4096 --num-layers 32 --head-dim 128 --vocab 2048 \
+  --prompts 256 --prompt-len 1024 --dtype bfloat16 --transport shm --slot-mb 33 --batch-sizes 1,4,16,64,256 \
+  --variants plain,capture --repeats 3 --no-hf --gpu-build --stats --json "$OUT/capture_overhead_8b.json" \
+  > "$OUT/capture_overhead_8b.log" 2>&1
+grep "round\|^ *[0-9]" "$OUT/capture_overhead_8b.log" | grep -v "^(Engine" | tail -40
+el "8B prefill"
