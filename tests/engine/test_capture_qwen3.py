@@ -66,17 +66,25 @@ def test_the_engine_output_waiting_in_the_driver_is_seen(tap):
 
 
 def test_records_wait_while_engine_output_does_and_all_are_proven(tap, model):
-    """A slow consumer: while it holds a record the engine's next outputs queue up in the driver, so the
-    Tap takes them before handing out more records (``deferrals``); every record still comes, right."""
+    """A slow consumer: it holds each record until the engine's next output waits in the driver (or nothing
+    runs), so the Tap must take that output before handing out the round's other records (``deferrals``);
+    every record still comes, right."""
     import time
 
+    from layertap.engine import compat
+
+    waiting = compat.output_waiting_check(tap.llm)
+    engine = tap.llm.llm_engine
     inputs = random_prompts(24, [40, 90, 20], seed=11)
     before = tap.deferrals
     tap.max_inflight = 8
     recs = []
     try:
         for rec in tap.capture(inputs):
-            time.sleep(0.03)  # longer than an engine step of this model here: outputs wait meanwhile
+            deadline = time.monotonic() + 60
+            while not waiting() and engine.has_unfinished_requests():
+                assert time.monotonic() < deadline, "no engine output within 60 s while requests ran"
+                time.sleep(0.001)
             recs.append(rec)
     finally:
         tap.max_inflight = None
