@@ -8,7 +8,7 @@
 #      Six rounds of short pieces: the 'in' phase is bimodal on that host, so ranges need many rounds.
 #   2. Serving the 8B shape, 3 rounds (the last lease got 2) and the HF check of served records on the GPU.
 #   3. Prefill of the 8B shape at every batch size (1 in flight was 0.93).
-# About 3 + 7 + 8 + 6 min of device time.
+# About 3 (machine, vLLM) + 5 + 8 + 6 min of device time.
 set -u
 T0=$(date +%s); el() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
 SKIP_TRAIN_BENCH=1 SKIP_PROFILE=1 BENCH_REPEATS=6 BENCH_BATCH_SIZES=1,4,16 \
