@@ -364,7 +364,8 @@ class Tap:
             # (else a record in flight would hold up the next request's admission).
             idle = not running and not (queue and self._can_admit(running, len(expect)))
             hurry = output_waiting if running else None
-            if hurry is None or not hurry() or not any(k in expect for k in early):
+            deferred = hurry is not None and hurry() and any(k in expect for k in early)
+            if not deferred:
                 for rec in self.source.poll(timeout=0.05 if idle else 0.0):
                     if rec.meta.get("run") != self.run:
                         raise CaptureError(f"record {rec.key} (index {rec.index}) belongs to another run")
@@ -373,18 +374,17 @@ class Tap:
                         rec.release()
                         continue
                     early[rec.key] = rec
-            else:
-                self.deferrals += 1
             handed = 0
             for key in [k for k in early if k in expect]:
                 if handed and hurry is not None and hurry():
-                    self.deferrals += 1
+                    deferred = True
                     break
                 rec = early.pop(key)
                 self._prove(rec, *expect.pop(key))
                 last_progress = time.monotonic()
                 handed += 1
                 yield rec
+            self.deferrals += deferred
             if compat.engine_dead(self.llm):
                 raise _engine_died(expect, by_req, queue)
             stalled = queue and not running and not expect and not early and not self._can_admit(0, 0)
@@ -425,12 +425,11 @@ class Tap:
         return {params["key"]: (it, want, params["token_digest"])}
 
     @staticmethod
-    def _check_engine_tokens(it: InputItem, want: list[int], digest: str) -> str:
-        """The engine's digest must be that of the tokens submitted (and generated); returns it."""
+    def _check_engine_tokens(it: InputItem, want: list[int], digest: str) -> None:
+        """The engine's digest must be that of the tokens submitted (and, generating, those it returned)."""
         if token_digest(want) != digest:
             raise CaptureError(f"input {it.index}: the engine's token ids for its request differ from the tokens "
                                "submitted")
-        return digest
 
     def _prove(self, rec: Record, it: InputItem, want: list[int], digest: str) -> None:
         """The record must carry exactly this request's tokens (sha256 of its token ids against that of the
