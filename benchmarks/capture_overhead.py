@@ -122,8 +122,8 @@ class Timeline:
       the output's way to the driving process (the engine core's output thread, the socket, the driver's
       receiving thread), ``late`` how long it then waited in the driver's queue before ``step`` asked for it
       (the driver was busy elsewhere: its record work, the caller; a mean, the others are medians), ``proc``
-      vLLM's output processing until ``step`` returns. A grown ``send`` is the engine process's doing (e.g. its threads holding the GIL), a
-      grown ``late`` the driver's."""
+      vLLM's output processing until ``step`` returns. A grown ``send`` is the engine process's doing (e.g.
+      its threads holding the GIL) or the driver's receiving thread's; a grown ``late`` is the driver's."""
 
     PHASES = ("in", "wait", "run", "out", "send", "late", "proc")
 
@@ -132,7 +132,7 @@ class Timeline:
         self.reset()
         add, step = engine.add_request, engine.step
         self.last_get: tuple[float, float] | None = None  # (driver asked, output arrived) of the last get_output
-        self._watch_output_queue(getattr(engine, "engine_core", None))
+        self._watch_output_queue(engine)
 
         def add_request(request_id, *a, **k):
             t = time.monotonic()
@@ -162,13 +162,17 @@ class Timeline:
 
         engine.add_request, engine.step = add_request, step_
 
-    def _watch_output_queue(self, core) -> None:
-        """Stamp each engine-core output when the driver's receiving thread queues it, and when ``step`` asks
-        for it (vLLM's multiprocess client: ``outputs_queue`` and ``get_output``, the same in 0.25 and 0.32).
-        An in-process engine core has no queue: no split then."""
-        q, get = getattr(core, "outputs_queue", None), getattr(core, "get_output", None)
-        if q is None or get is None or not hasattr(q, "put_nowait"):
+    def _watch_output_queue(self, engine) -> None:
+        """Stamp each engine-core output when the driver's receiving thread queues it
+        (``compat.engine_output_queue``), and when ``step`` asks for it (the client's ``get_output``). An
+        in-process engine core has no queue: no split then."""
+        from layertap.engine import compat
+
+        q = compat.engine_output_queue(engine)
+        if q is None:
             return
+        core = engine.engine_core
+        get = core.get_output
         arrivals: collections.deque[float] = collections.deque()
         put = q.put_nowait
 

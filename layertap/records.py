@@ -215,6 +215,16 @@ def serialize(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> bytearr
     return out
 
 
+def _bytes_view(mv: memoryview) -> torch.Tensor:
+    """A uint8 tensor viewing ``mv`` (no copy). torch warns on a read-only buffer; records are never written in
+    place, so that warning is silenced, and only there (the guard costs ~1 us a tensor: the shm pool is writable)."""
+    if not mv.readonly:
+        return torch.frombuffer(mv, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mv, dtype=torch.uint8)
+
+
 def deserialize(buf: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Parse a blob; tensors view ``buf`` (no copy). Raises ``IncompleteRecordError`` on a short buffer."""
     mv = memoryview(buf)
@@ -232,12 +242,8 @@ def deserialize(buf: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Te
         if base + b > len(mv):
             raise IncompleteRecordError(f"tensor {name!r} runs past the payload ({base + b} > {len(mv)})")
         dtype = _DTYPES[info["dtype"]]
-        if b > a and mv.readonly:
-            with warnings.catch_warnings():  # read-only maps are fine: records are never written in place
-                warnings.simplefilter("ignore", UserWarning)
-                t = torch.frombuffer(mv[base + a : base + b], dtype=torch.uint8).view(dtype)
-        elif b > a:  # a writable buffer (the shm pool): torch has nothing to warn about
-            t = torch.frombuffer(mv[base + a : base + b], dtype=torch.uint8).view(dtype)
+        if b > a:
+            t = _bytes_view(mv[base + a : base + b]).view(dtype)
         else:
             t = torch.empty(0, dtype=dtype)
         tensors[name] = t.reshape(info["shape"])

@@ -156,6 +156,7 @@ class Tap:
         else:
             self.source = self.transport_cls.make_source(self.transport_cfg, copy=not zero_copy)
         self.llm = self._start_engine(engine_kwargs, on_cuda)
+        self._output_waiting = compat.output_waiting_check(self.llm)  # for defer_records (None: not here)
         self._watch = compat.watch_engine_death(self.llm)
         llm = self.llm
         self._wd.on_timeout = lambda err: compat.fail_blocked_step(llm, err)
@@ -327,7 +328,7 @@ class Tap:
         # Records come second to the engine's output: while the engine core's next output already waits in
         # this process, the driver takes it (and refills from it) before proving and handing out more records;
         # at least one record goes per round, so records never starve (None: no queue to look at).
-        output_waiting = compat.output_waiting_check(self.llm) if self.defer_records else None
+        output_waiting = self._output_waiting if self.defer_records else None
         while queue or running or expect:
             running += admit()
             if running:
