@@ -6,19 +6,19 @@
 #      output (capture_overhead --stats: out = send + late + proc), and does handling records only while no
 #      output waits (capture, the default since 2026-12-05) beat handling them at once (capture-eager)?
 #      Six rounds of short pieces: the 'in' phase is bimodal on that host, so ranges need many rounds.
-#   2. Serving the 8B shape, 3 rounds (the last lease got 2) and the HF check of served records on the GPU.
+#   2. Serving the 8B shape, 2 rounds and the HF check of served records on the GPU.
 #   3. Prefill of the 8B shape at every batch size (1 in flight was 0.93).
 # About 3 (machine, vLLM) + 5 + 8 + 6 min of device time.
 set -u
 T0=$(date +%s); el() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
 SKIP_TRAIN_BENCH=1 SKIP_PROFILE=1 BENCH_REPEATS=6 BENCH_BATCH_SIZES=1,4,16 \
-  BENCH_VARIANTS=plain,floor,capture,capture-eager BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats" \
+  BENCH_VARIANTS=plain,floor,capture,capture-eager,capture-raw BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats" \
   bash scripts/gpu_check.sh bench
 mkdir -p "$OUT/small" && mv "$OUT"/capture_overhead.* "$OUT/small/"
 el "small prefill"
 for i in $(seq 300); do [ -f "$HOME/serve-wheels/.done" ] && break; sleep 2; done
 ln -sfn "$HOME/serve-wheels" .gpubundle/serve
-SERVE_ROUNDS=3 SERVE_DEADLINE=470 SERVE_VARIANTS=plain,capture \
+SERVE_ROUNDS=2 SERVE_DEADLINE=400 SERVE_VARIANTS=plain,capture \
   SERVE_ARGS="--hidden 4096 --num-layers 32 --gpu-build --verify 8" bash scripts/gpu_check.sh serve
 el "serve"
 source "$HOME/vllm-site/env.sh"
