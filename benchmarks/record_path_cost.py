@@ -23,6 +23,7 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -52,7 +53,7 @@ def _stand_in_for_vllm() -> None:
 _stand_in_for_vllm()
 
 from layertap.engine import record_writer as rw  # noqa: E402
-from layertap.engine.saves import LayertapMetadata, SaveJob  # noqa: E402
+from layertap.engine.saves import LayertapMetadata  # noqa: E402
 from layertap.records import LAYER_SEMANTICS, token_digest  # noqa: E402
 from layertap.transport.shm import ShmTransport  # noqa: E402
 
@@ -74,19 +75,26 @@ def make_worker(view: torch.Tensor, hidden: int, block_size: int, tcfg: dict, la
     return w
 
 
-def jobs_for(step: int, records: int, rows: int, block_size: int, num_blocks: int, rng: np.random.Generator):
+def jobs_for(step: int, records: int, rows: int, block_size: int, num_blocks: int, rng: np.random.Generator,
+             sched: Any = None):
+    """One step's finished records, made by the connector's own scheduler side (``SchedulerSide._job``: the
+    record's own manifest fields and the shared ones, as the engine hands them to the worker)."""
     need = -(-rows // block_size)
     out = []
     for r in range(records):
         blocks = rng.choice(np.arange(1, num_blocks), size=need, replace=False).tolist()
-        ids = rng.integers(0, 2048, size=rows, dtype=np.int64)
-        key = f"bench:{step}-{r}"
-        meta = {"key": key, "request_id": f"{step}-{r}", "index": step * records + r, "mode": "prompt",
-                "layer_ids": [1, 2, 3, 4], "num_tokens": rows, "num_prompt_tokens": rows,
-                "token_digest": token_digest(ids), "layer_semantics": LAYER_SEMANTICS, "next_token_id": None,
-                "run": "bench"}
-        out.append(SaveJob(f"{step}-{r}", key, blocks, ids, rows, meta))
+        ids = rng.integers(0, 2048, size=rows, dtype=np.int64).tolist()
+        out.append(sched._job(f"{step}-{r}", {"index": step * records + r, "run": "bench"}, "prompt", ids, rows, None,
+                              blocks))
     return out
+
+
+def scheduler_side(layer_ids: list[int], block_size: int) -> Any:
+    from layertap.engine.saves import SchedulerSide
+
+    group = {"index": 0, "block_size": block_size, "num_groups": 1, "own_group": False, "group_types": ["bench"]}
+    return SchedulerSide(SimpleNamespace(_layer_ids=layer_ids, _group_desc=group, _group=0, _check_steps=0,
+                                         _extra={"capture_path": "hook"}))
 
 
 def run_config(args, records: int, busy_ms: float, dev: str) -> dict:
@@ -109,10 +117,11 @@ def run_config(args, records: int, busy_ms: float, dev: str) -> dict:
         reps = max(1, round(busy_ms / (1e3 * (time.perf_counter() - t0) / 10)))
         load = (a, reps)
     rng = np.random.default_rng(records)
+    sched = scheduler_side([1, 2, 3, 4], block)
     steps, per_phase = [], []
     try:
         for step in range(args.warmup + args.iters):
-            jobs = jobs_for(step, records, args.rows, block, num_blocks, rng)
+            jobs = jobs_for(step, records, args.rows, block, num_blocks, rng, sched)
             if load is not None:
                 for _ in range(load[1]):
                     load[0] @ load[0]

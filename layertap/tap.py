@@ -436,7 +436,7 @@ class Tap:
         """The record must carry exactly this request's tokens (sha256 of its token ids against that of the
         tokens submitted, which the engine reported too); the first records get deeper checks."""
         self._check_engine_tokens(it, want, digest)
-        if token_digest(rec.token_ids) != digest:
+        if rec.checked_digest() != digest:  # hashed once, by the transport's check on delivery
             raise CaptureError(f"record {rec.key}: token ids differ from input {it.index}'s")
         if rec.index != it.index:
             raise CaptureError(f"record {rec.key}: index {rec.index} != input index {it.index}")

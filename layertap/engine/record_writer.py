@@ -28,6 +28,7 @@ from layertap.engine.gpu_gather import (
     unregister_host,
 )
 from layertap.engine.saves import LayertapMetadata, SaveJob, SlotCheckError
+from layertap.records import MetaTemplate
 from layertap.transport.base import get_transport
 
 log = logging.getLogger("vllm.layertap")
@@ -114,6 +115,8 @@ class WorkerSide:
         # Where that time goes on CUDA, per phase of a step with records (the close log prints it per record):
         # a few perf_counter reads per group, so a GPU run's log says which part of the record path to cut.
         self.phase_s = dict.fromkeys(PHASES, 0.0)
+        self._shared: dict[str, Any] | None = None  # the scheduler's shared manifest fields last seen
+        self._meta_template: MetaTemplate | None = None
 
     # ---- set-up ----
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -255,13 +258,33 @@ class WorkerSide:
         done, self.released = self.released, set()
         return done or None
 
-    def _record_layout(self, job: SaveJob) -> tuple[dict[str, tuple], dict[str, Any]]:
+    def _specs(self, job: SaveJob) -> dict[str, tuple]:
         specs = {"token_ids": (torch.int64, (job.num_rows,)),
                  "hidden_states": (self.view.dtype, (job.num_rows, self.geo.n_planes, self.geo.hidden))}
         if job.meta.get("loss_spans") is not None:
             specs["loss_mask"] = (torch.uint8, (job.num_rows,))
-        meta = {**self.run_meta, **job.meta, "dtype": self.dtype_name}
-        return specs, meta
+        return specs
+
+    def _record_layout(self, job: SaveJob) -> tuple[dict[str, tuple], dict[str, Any]]:
+        """The record's tensor specs and its whole manifest (the staged paths, which ``put`` a record)."""
+        return self._specs(job), {**self.run_meta, **job.shared, **job.meta, "dtype": self.dtype_name}
+
+    def _manifest(self, job: SaveJob) -> tuple[dict[str, tuple], dict[str, Any], MetaTemplate | None]:
+        """What a reservation lays out: the specs, the record's own fields and the shared ones' template (the
+        manifest ``_record_layout`` gives, without encoding the shared fields per record)."""
+        if "dtype" in job.meta:  # the writer's field wins, as in _record_layout: no template then
+            return (*self._record_layout(job), None)
+        return self._specs(job), job.meta, self._template(job)
+
+    def _template(self, job: SaveJob) -> MetaTemplate:
+        """The manifest fields all records share, encoded once (``records.MetaTemplate``): this run's, the
+        scheduler's ``job.shared`` and the dtype. The record's own fields (``job.meta``) go on top, as in
+        ``_record_layout``. Kept per ``shared`` dict (one per scheduler; a new one per step where the metadata
+        reaches this process pickled)."""
+        if self._shared is not job.shared:
+            self._shared = job.shared  # held: its id is not reused while the template is
+            self._meta_template = MetaTemplate({**self.run_meta, **job.shared, "dtype": self.dtype_name})
+        return self._meta_template
 
     @staticmethod
     def _fill_small(tensors: dict[str, torch.Tensor], job: SaveJob) -> None:
@@ -290,9 +313,9 @@ class WorkerSide:
         now, or a transport without ``reserve``: the rows are staged and put instead)."""
         if not self.direct:
             return None
-        specs, meta = self._record_layout(job)
-        res = self.sink.reserve(job.key, specs, meta, device_commit=True) if device_commit else \
-            self.sink.reserve(job.key, specs, meta)
+        specs, meta, tmpl = self._manifest(job)
+        res = self.sink.reserve(job.key, specs, meta, template=tmpl, device_commit=True) if device_commit \
+            else self.sink.reserve(job.key, specs, meta, template=tmpl)
         if res is not None:
             self._fill_small(res.tensors, job)
         return res
@@ -455,8 +478,8 @@ class WorkerSide:
     def _reserve_raw(self, job: SaveJob) -> Any:
         """The record's transport memory as byte offsets (lean path), its token ids and loss mask written
         through numpy; ``None``: no free room right now."""
-        specs, meta = self._record_layout(job)
-        res = self.sink.reserve(job.key, specs, meta, device_commit=True, views=False)
+        specs, meta, tmpl = self._manifest(job)
+        res = self.sink.reserve(job.key, specs, meta, template=tmpl, device_commit=True, views=False)
         if res is None:
             return None
         o, m = res.offsets["token_ids"], res.offsets.get("loss_mask")

@@ -45,10 +45,12 @@ class Sink(ABC):
     @abstractmethod
     def put(self, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None: ...
 
-    def reserve(self, key: str, specs: dict[str, Any], meta: dict[str, Any]) -> "Reservation | None":
+    def reserve(self, key: str, specs: dict[str, Any], meta: dict[str, Any], *,
+                template: Any = None) -> "Reservation | None":
         """Lay a record out in transport memory *now*, without waiting, for the producer to fill in place
-        (``specs``: name -> tensor or ``(dtype, shape)``). ``None`` when the backend cannot (or has no room
-        right now); the producer then builds the tensors itself and calls ``put``."""
+        (``specs``: name -> tensor or ``(dtype, shape)``; ``template``: a ``records.MetaTemplate`` whose fields
+        the manifest holds too, under ``meta``'s). ``None`` when the backend cannot (or has no room right now);
+        the producer then builds the tensors itself and calls ``put``."""
         return None
 
     def flush(self) -> None:  # noqa: B027 - optional

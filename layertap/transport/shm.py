@@ -153,7 +153,7 @@ class ShmSink(Sink):
         """The 4-byte value a device commit copies into ``ShmReservation.commit_target``."""
         return torch.tensor([sp.COMMITTED], dtype=torch.int32)
 
-    def reserve(self, key: str, specs: dict[str, Any], meta: dict[str, Any], *,
+    def reserve(self, key: str, specs: dict[str, Any], meta: dict[str, Any], *, template: Any = None,
                 device_commit: bool = False, views: bool = True) -> "ShmReservation | None":
         """Claim slots for the record now (``None`` if none are free: never waits), write its header, and
         return tensors that view the slot memory for the producer to fill (e.g. a GPU copy straight into
@@ -169,7 +169,7 @@ class ShmSink(Sink):
         record."""
         if device_commit and not self.device_commit_ok:
             raise TransportError(f"shm pool {self.name}: a device commit needs checksum 'none', not {self.checksum!r}")
-        prefix, spans, total = layout(specs, meta)
+        prefix, spans, total = layout(specs, meta, template)
         span = self._span(key, total)
         now = time.monotonic()
         if now >= self._next_consumer_check:  # a /proc read: at most every _LIVENESS_EVERY s, not per record

@@ -10,7 +10,7 @@ import struct
 import pytest
 import torch
 
-from layertap.records import deserialize, layout, serialize_into, token_digest, _NAMES
+from layertap.records import MetaTemplate, deserialize, layout, serialize_into, token_digest, _NAMES
 
 
 def _reference_prefix(tensors: dict, meta: dict) -> bytes:
@@ -34,7 +34,9 @@ def _reference_prefix(tensors: dict, meta: dict) -> bytes:
     {'odd "name"\\': (torch.uint8, ())},
 ])
 def test_header_is_the_json_of_the_header_dict(tensors):
-    meta = {"key": 'r-"1"\\', "index": 3, "ü": [1, 2.5, None], "layer_ids": [1, 8], "nested": {"b": 1, "a": 2}}
+    meta = {"key": 'r-"1"\\', "index": 3, "ü": [1, 2.5, None], "layer_ids": [1, 8], "nested": {"b": 1, "a": 2},
+            "flag": True, "off": False, "none": None, "neg": -7, "big": 2**70, "f": 0.1, "tab\t": "é\n\u2028",
+            "t": (1, "x")}
     prefix, spans, total = layout(tensors, meta)
     assert prefix == _reference_prefix(tensors, meta)
     assert len(prefix) % 8 == 0
@@ -51,3 +53,38 @@ def test_blob_round_trips():
     got, got_meta = deserialize(memoryview(buf)[:n])
     assert torch.equal(got["token_ids"], ids) and torch.equal(got["hidden_states"], hs)
     assert got_meta == meta
+
+
+SHARED = {"layer_ids": [1, 8, 13, 16], "layer_semantics": 'id i = "the" residual\\', "cache_group": {"index": 1, "b": [True]},
+          "dtype": "bfloat16", "ü": 1.5}
+
+
+@pytest.mark.parametrize("own", [
+    {"key": "run:r-1", "index": 3, "num_tokens": 1024, "token_digest": "ab" * 32, "next_token_id": None, "mode": "prompt"},
+    {"dtype": "float16", "layer_ids": [2], "zz": {"y": 1, "x": [1, 0]}},  # the record's own fields win, as in a dict merge
+    {},
+])
+def test_template_writes_the_bytes_of_the_merged_manifest(own):
+    """A record laid out on a MetaTemplate of the shared fields is byte for byte the record laid out on the
+    merged manifest ({**shared, **own}): the engine's writer encodes the shared fields once, not per record."""
+    tensors = {"token_ids": (torch.int64, (16,)), "hidden_states": (torch.bfloat16, (16, 4, 64))}
+    t = MetaTemplate(SHARED)
+    assert layout(tensors, own, t) == layout(tensors, {**SHARED, **own})
+    assert layout(tensors, own, t)[0] == _reference_prefix(tensors, {**SHARED, **own})
+
+
+def test_template_is_a_snapshot():
+    shared = {"layer_ids": [1, 2], "model": "a"}
+    t = MetaTemplate(shared)
+    shared["layer_ids"].append(3)
+    shared["model"] = "b"
+    tensors = {"token_ids": (torch.int64, (4,))}
+    assert layout(tensors, {"key": "k"}, t) == layout(tensors, {"layer_ids": [1, 2], "model": "a", "key": "k"})
+    with pytest.raises(TypeError, match="str"):
+        MetaTemplate({1: "x"})
+
+
+def test_non_str_keys_follow_json():
+    """A manifest with a non-str field name takes json's own rules (the key coerced), as before the hand encoding."""
+    tensors = {"token_ids": (torch.int64, (4,))}
+    assert layout(tensors, {2: "b", 1: "a"})[0] == _reference_prefix(tensors, {2: "b", 1: "a"})

@@ -50,3 +50,22 @@ def test_a_record_of_another_index_or_layers_is_refused():
         _prove(_record(ids, index=4), InputItem(index=3, token_ids=ids), ids, token_digest(ids))
     with pytest.raises(CaptureError, match=r"layer ids \[1, 3\]"):
         _prove(_record(ids, layers=(1, 3)), InputItem(index=3, token_ids=ids), ids, token_digest(ids))
+
+
+def test_a_checked_record_is_proven_on_the_digest_its_check_computed(monkeypatch):
+    """The transports check every record on delivery (its token ids against its manifest's digest); the proof
+    reuses that digest instead of hashing the token ids again, and only while they are the ones checked."""
+    import layertap.records as records
+
+    ids = [5, 6, 7, 8]
+    rec = _record(ids)
+    rec.check()
+    calls = []
+    real = records.token_digest
+    monkeypatch.setattr(records, "token_digest", lambda t: calls.append(1) or real(t))
+    _prove(rec, InputItem(index=3, token_ids=ids), ids, token_digest(ids))
+    assert calls == []  # proven on the checked digest
+    rec.token_ids = torch.tensor([5, 6, 7, 9])  # replaced after the check: hashed again, and refused
+    with pytest.raises(CaptureError, match="token ids differ from input 3"):
+        _prove(rec, InputItem(index=3, token_ids=ids), ids, token_digest(ids))
+    assert calls == [1]
