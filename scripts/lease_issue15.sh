@@ -2,6 +2,10 @@
 # The next H200 lease for issue 15, as one script (scripts/gpu_bg.sh start 'bash scripts/lease_issue15.sh'; see
 # benchmarks/RESULTS.md for the call chain that brings vLLM and the serve wheels). In order of what it must
 # settle, each step writing under $OUT before the next starts, so a lease cut short still answers the first:
+#   0. (PRE, while the bundle arrives; needs no vLLM) the record path on the engine's step thread, this tree
+#      against the one before the 2026-12-05 cuts (a record's manifest encoded from a template, struct token
+#      conversion): PRE='bash scripts/gpu_check.sh models && BASE_TREE=.base bash scripts/gpu_check.sh
+#      recordpath', with .base carried (git archive 77fa22a layertap benchmarks/record_path_cost.py | tar -x -C .base).
 #   1. Small model, 1-16 in flight, where capture is short (0.83-0.93): is the driver late to the engine's
 #      output (capture_overhead --stats: out = send + late + proc), and does handling records only while no
 #      output waits (capture, the default since 2026-12-05) beat handling them at once (capture-eager)?
