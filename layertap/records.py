@@ -293,14 +293,18 @@ def serialize(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> bytearr
     return out
 
 
-def _bytes_view(mv: memoryview) -> torch.Tensor:
-    """A uint8 tensor viewing ``mv`` (no copy). torch warns on a read-only buffer; records are never written in
-    place, so that warning is silenced, and only there (the guard costs ~1 us a tensor: the shm pool is writable)."""
+def _typed_view(mv: memoryview, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
+    """A 1-D ``dtype`` tensor viewing ``mv[start:stop]`` (no copy; one torch call). torch warns on a read-only
+    buffer; records are never written in place, so that warning is silenced, and only there (the guard costs
+    ~1 us a tensor: the shm pool is writable)."""
+    count, rest = divmod(stop - start, dtype.itemsize)
+    if rest:
+        raise IncompleteRecordError(f"a {dtype} tensor of {stop - start} bytes is not a whole number of elements")
     if not mv.readonly:
-        return torch.frombuffer(mv, dtype=torch.uint8)
+        return torch.frombuffer(mv, dtype=dtype, count=count, offset=start)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(mv, dtype=torch.uint8)
+        return torch.frombuffer(mv, dtype=dtype, count=count, offset=start)
 
 
 def deserialize(buf: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -321,7 +325,7 @@ def deserialize(buf: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Te
             raise IncompleteRecordError(f"tensor {name!r} runs past the payload ({base + b} > {len(mv)})")
         dtype = _DTYPES[info["dtype"]]
         if b > a:
-            t = _bytes_view(mv[base + a : base + b]).view(dtype)
+            t = _typed_view(mv, dtype, base + a, base + b)
         else:
             t = torch.empty(0, dtype=dtype)
         tensors[name] = t.reshape(info["shape"])

@@ -20,6 +20,10 @@ class SlotCheckError(RuntimeError):
     """The slots vLLM wrote this step do not include the slots computed for a request."""
 
 
+NOTHING_SHARED: dict[str, Any] = {}
+"""A SaveJob's ``shared`` where its maker gives none: one dict, so the writer encodes it once. Never changed."""
+
+
 @dataclass
 class SaveJob:
     req_id: str
@@ -29,7 +33,7 @@ class SaveJob:
     num_rows: int
     meta: dict[str, Any]  # the record's own manifest fields
     release: bool = True  # report the blocks free once read (False: a prompt saved before its request ends)
-    shared: dict[str, Any] = field(default_factory=dict)
+    shared: dict[str, Any] = field(default_factory=lambda: NOTHING_SHARED)
     """Manifest fields every record of this engine carries (one dict, never changed once made): the writer
     encodes them once (``records.MetaTemplate``); the record's manifest is ``{**shared, **meta}``."""
 
