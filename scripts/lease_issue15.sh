@@ -12,7 +12,17 @@
 #      Six rounds of short pieces: the 'in' phase is bimodal on that host, so ranges need many rounds.
 #   2. Serving the 8B shape, 2 rounds and the HF check of served records on the GPU.
 #   3. Prefill of the 8B shape at every batch size (1 in flight was 0.93).
-# About 3 (machine, vLLM) + 5 + 8 + 6 min of device time.
+# About 3 (machine, vLLM) + 5 + 8 + 6 min of device time. The call chain (a fresh machine; parts from
+# ../shared/gpu/build-vllm-bundle.sh .gpubundle, part00 split: split -b 45M -d -a 2 part00 p00_, so each call
+# carries under 64 MiB with the ~10 MB tree; serve wheels: bash scripts/build-serve-wheels.sh):
+#   1 (carry .gpubundle/p00_00 .base): mkdir -p $HOME/vllm-bundle && mv .gpubundle/p00_00 $HOME/vllm-bundle/ &&
+#       PRE='bash scripts/gpu_check.sh models && BASE_TREE=.base bash scripts/gpu_check.sh recordpath'
+#       bash scripts/gpu_bg.sh start 'bash scripts/lease_issue15.sh' && bash scripts/gpu_bg.sh wait 5
+#   2 (carry .gpubundle/{p00_01,part01,SHA256SUMS,install-on-device.sh}): cd $HOME/vllm-bundle && cat p00_00
+#       $OLDPWD/.gpubundle/p00_01 > part00 && rm p00_00 && cd $OLDPWD && mv .gpubundle/part01 .gpubundle/SHA256SUMS
+#       $HOME/vllm-bundle/ && bash .gpubundle/install-on-device.sh && bash scripts/gpu_bg.sh wait 480
+#   3 (carry .gpubundle/serve): cp -r .gpubundle/serve $HOME/serve-wheels && touch $HOME/serve-wheels/.done &&
+#       bash scripts/gpu_bg.sh wait 560;   4..: bash scripts/gpu_bg.sh wait 560 (back to back: 30 s idle ends it)
 set -u
 T0=$(date +%s); el() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
 SKIP_TRAIN_BENCH=1 SKIP_PROFILE=1 BENCH_REPEATS=6 BENCH_BATCH_SIZES=1,4,16 \
