@@ -10,6 +10,8 @@
 #      output (capture_overhead --stats: out = send + late + proc), and does handling records only while no
 #      output waits (capture, the default since 2026-12-05) beat handling them at once (capture-eager)?
 #      Six rounds of short pieces: the 'in' phase is bimodal on that host, so ranges need many rounds.
+#      Then a torch-profiler trace of each engine at 16 in flight (PROFILE_INFLIGHT): is the GPU idle longer
+#      per request with capture (its step thread on the critical path), or equally busy (the gap elsewhere)?
 #   2. Serving the 8B shape, 2 rounds and the HF check of served records on the GPU.
 #   3. Prefill of the 8B shape at every batch size (1 in flight was 0.93).
 # About 3 (machine, vLLM) + 5 + 8 + 6 min of device time. The call chain (a fresh machine; parts from
@@ -25,7 +27,7 @@
 #       bash scripts/gpu_bg.sh wait 560;   4..: bash scripts/gpu_bg.sh wait 560 (back to back: 30 s idle ends it)
 set -u
 T0=$(date +%s); el() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
-SKIP_TRAIN_BENCH=1 SKIP_PROFILE=1 BENCH_REPEATS=6 BENCH_BATCH_SIZES=1,4,16 \
+SKIP_TRAIN_BENCH=1 PROFILE_INFLIGHT=16 BENCH_REPEATS=6 BENCH_BATCH_SIZES=1,4,16 \
   BENCH_VARIANTS=plain,floor,capture,capture-eager,capture-raw BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats" \
   bash scripts/gpu_check.sh bench
 mkdir -p "$OUT/small" && mv "$OUT"/capture_overhead.* "$OUT/small/"
