@@ -10,8 +10,8 @@
 # delivered ($HOME/vllm-bundle exists), the job waits for its install (INSTALL_WAIT_S, 900 s) and stops by
 # name if it never comes. `wait N` prints the job's new log lines for at most N s and copies $BG/out into
 # $OUT. Exit: the job's status once it ended, 75 while it runs, 3 when none was started.
-# Settings: BG_DIR (/tmp/gpu_bg), PRE, INSTALL_WAIT_S; for `wait`: COPY (names under $BG/out to copy, default
-# all of it: a device call brings back a limited number of files), LOG_NAME (the driver log's name in $OUT,
+# Settings: BG_DIR (/tmp/gpu_bg), PRE, INSTALL_WAIT_S; for `wait`: COPY (names under $BG/out to copy; default:
+# all of it as one archive, bg_out.tgz, and its 6 newest top-level files: a device call brings back 8 files), LOG_NAME (the driver log's name in $OUT,
 # gpu_bg.log). scripts/gpu_loop_bg.sh is this, for the drafter loop.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,7 +59,12 @@ if [ "$cmd" = wait ]; then
   while [ ! -f "$BG/rc" ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do show; sleep 3; done
   show
   mkdir -p "$OUT"
-  if [ -z "${COPY:-}" ]; then cp -r "$BG/out/." "$OUT/"
+  # A device call brings back at most 8 files (two folders down): everything the job wrote, torch traces
+  # aside, travels as one archive (bg_out.tgz), and up to 6 of its top-level files beside it for reading.
+  if [ -z "${COPY:-}" ]; then
+    tar -czf "$OUT/bg_out.tgz" -C "$BG/out" --exclude='*.pt.trace.json.gz' . 2>/dev/null
+    find "$BG/out" -maxdepth 1 -type f ! -name '*.pt.trace.json.gz' -printf '%T@ %p\n' | sort -rn | head -6 \
+      | cut -d' ' -f2- | while read -r f; do cp "$f" "$OUT/"; done
   else for f in $COPY; do [ -e "$BG/out/$f" ] && cp -r "$BG/out/$f" "$OUT/"; done; fi
   cp "$BG/driver.log" "$OUT/${LOG_NAME:-gpu_bg.log}"
   if [ -f "$BG/rc" ]; then exit "$(cat "$BG/rc")"; fi
