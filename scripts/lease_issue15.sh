@@ -1,34 +1,38 @@
 #!/usr/bin/env bash
-# The next H200 lease for issue 15, as one script (scripts/gpu_bg.sh start 'bash scripts/lease_issue15.sh'; see
+# The next GPU lease for issue 15, as one script (scripts/gpu_bg.sh start 'bash scripts/lease_issue15.sh'; see
 # benchmarks/RESULTS.md for the call chain that brings vLLM and the serve wheels). In order of what it must
 # settle, each step writing under $OUT before the next starts, so a lease cut short still answers the first:
-#   0. (PRE, while the bundle arrives; needs no vLLM) the record path on the engine's step thread, this tree
-#      against the one before the 2026-12-05 cuts (a record's manifest encoded from a template, struct token
-#      conversion): PRE='bash scripts/gpu_check.sh models && BASE_TREE=.base bash scripts/gpu_check.sh
-#      recordpath', with .base carried (git archive 77fa22a layertap benchmarks/record_path_cost.py | tar -x -C .base).
-#   1. Small model, 1-16 in flight, where capture is short (0.83-0.93): is the driver late to the engine's
-#      output (capture_overhead --stats: out = send + late + proc), and does handling records only while no
-#      output waits (capture, the default since 2026-12-05) beat handling them at once (capture-eager)?
-#      Six rounds of short pieces: the 'in' phase is bimodal on that host, so ranges need many rounds.
-#      Then a torch-profiler trace of each engine at 16 in flight (PROFILE_INFLIGHT): is the GPU idle longer
-#      per request with capture (its step thread on the critical path), or equally busy (the gap elsewhere)?
-#   2. Serving the 8B shape, 2 rounds and the HF check of served records on the GPU.
-#   3. Prefill of the 8B shape at every batch size (1 in flight was 0.93).
-# About 3 (machine, vLLM) + 5 + 8 + 6 min of device time. The call chain (a fresh machine; parts from
+#   1. Where the engine's time goes between steps. The 2026-12-05 H100 lease's torch-profiler trace at 16 in
+#      flight put capture's GPU kernels within 1% of plain's (2.81 / 2.78 ms per request) and its gap in the
+#      engine *outside* its steps (1.97 / 0.69 ms per request; floor 0.80, capture-raw 1.49): py-spy over
+#      every process (idle samples kept) of plain, floor and capture at 16 and at 1 in flight names the
+#      functions (scheduler, output path, connector, waiting for input) that hold that time.
+#   2. Small model, 1-16 in flight, six paired rounds (plain, floor, capture, capture-raw; --stats).
+#   3. Serving the 8B shape, 2 rounds and the HF check of served records on the GPU.
+#   4. Prefill of the 8B shape at every batch size.
+# About 3 (machine, vLLM) + 5 + 7 + 7 + 6 min of device time. The call chain (a fresh machine; parts from
 # ../shared/gpu/build-vllm-bundle.sh .gpubundle, part00 split: split -b 45M -d -a 2 part00 p00_, so each call
-# carries under 64 MiB with the ~10 MB tree; serve wheels: bash scripts/build-serve-wheels.sh):
-#   1 (carry .gpubundle/p00_00 .base): mkdir -p $HOME/vllm-bundle && mv .gpubundle/p00_00 $HOME/vllm-bundle/ &&
-#       PRE='bash scripts/gpu_check.sh models && BASE_TREE=.base bash scripts/gpu_check.sh recordpath'
-#       bash scripts/gpu_bg.sh start 'bash scripts/lease_issue15.sh' && bash scripts/gpu_bg.sh wait 5
+# carries under 64 MiB with the ~10 MB tree; py-spy: pip download py-spy into .gpubundle (the manylinux1
+# wheel); serve wheels: bash scripts/build-serve-wheels.sh). Keep the calls back to back: a machine idle for
+# 30 s is given back, and with it every result not yet copied out (the 2026-12-05 lease lost steps 2-4 so).
+#   1 (carry .gpubundle/p00_00 .gpubundle/py_spy-*.whl): mkdir -p $HOME/vllm-bundle && mv .gpubundle/p00_00
+#       $HOME/vllm-bundle/ && PRE='bash scripts/gpu_check.sh models' bash scripts/gpu_bg.sh start
+#       'bash scripts/lease_issue15.sh' && bash scripts/gpu_bg.sh wait 5
 #   2 (carry .gpubundle/{p00_01,part01,SHA256SUMS,install-on-device.sh}): cd $HOME/vllm-bundle && cat p00_00
 #       $OLDPWD/.gpubundle/p00_01 > part00 && rm p00_00 && cd $OLDPWD && mv .gpubundle/part01 .gpubundle/SHA256SUMS
 #       $HOME/vllm-bundle/ && bash .gpubundle/install-on-device.sh && bash scripts/gpu_bg.sh wait 480
 #   3 (carry .gpubundle/serve): cp -r .gpubundle/serve $HOME/serve-wheels && touch $HOME/serve-wheels/.done &&
-#       bash scripts/gpu_bg.sh wait 560;   4..: bash scripts/gpu_bg.sh wait 560 (back to back: 30 s idle ends it)
+#       bash scripts/gpu_bg.sh wait 560;   4..: bash scripts/gpu_bg.sh wait 560
+#   Each wait returns everything written so far as bg_out.tgz (plus the newest top-level files).
 set -u
 T0=$(date +%s); el() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
-SKIP_TRAIN_BENCH=1 PROFILE_INFLIGHT=16 BENCH_REPEATS=6 BENCH_BATCH_SIZES=1,4,16 \
-  BENCH_VARIANTS=plain,floor,capture,capture-eager,capture-raw BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats" \
+for n in 16 1; do
+  PROFILE_INFLIGHT=$n PROFILE_VARIANTS="plain floor capture" PROFILE_ARGS="--gpu-build --seconds 12" \
+    bash scripts/gpu_check.sh profile
+done
+el "py-spy profiles"
+SKIP_TRAIN_BENCH=1 SKIP_PROFILE=1 BENCH_REPEATS=6 BENCH_BATCH_SIZES=1,4,16 \
+  BENCH_VARIANTS=plain,floor,capture,capture-raw BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats" \
   bash scripts/gpu_check.sh bench
 mkdir -p "$OUT/small" && mv "$OUT"/capture_overhead.* "$OUT/small/"
 el "small prefill"
