@@ -598,6 +598,12 @@ class WorkerSide:
                 log.info("layertap worker: the record path per record (us): %s; other per-step work %.1f us per step",
                          ", ".join(f"{k} {1e6 * v / self.saved:.1f}" for k, v in self.phase_s.items()),
                          1e6 * (self.busy_s - sum(self.phase_s.values())) / self.calls)
+        stats = getattr(getattr(self.sink, "pool", None), "lock_stats", None)
+        if stats is not None and stats()["acquired"]:
+            st = stats()  # the engine's waits for the transport's lock (held meanwhile by the consumer)
+            log.info("layertap worker: the pool lock was taken %d times, %d found held by the consumer; waited "
+                     "%.2f ms in all, %.2f ms at most", st["acquired"], st["contended"], st["waited_ms"],
+                     st["longest_wait_ms"])
         if self.writer is not None and self.writer.is_alive():
             self.jobs.put(None)
             self.writer.join(timeout=60)

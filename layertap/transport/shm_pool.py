@@ -179,6 +179,10 @@ class Pool:
             self.close()
             raise TransportError(f"/dev/shm/{name} is not a layertap pool of version {VERSION}")
         self._tlock = threading.Lock()  # record locks are per process: threads need their own lock
+        # How this process fared on the pool lock: acquisitions, those that found it held by another
+        # process, and the seconds spent waiting for it (``lock_stats``; the engine's worker logs them).
+        self.lock_calls = self.lock_contended = 0
+        self.lock_wait_s = self.lock_wait_max_s = 0.0
         self._cursor = 0  # where the next claim starts looking (see ``claim``)
 
     @staticmethod
@@ -211,20 +215,38 @@ class Pool:
                 fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, 0)
 
     def _acquire(self) -> None:
-        deadline, pause = None, 0.0001
-        while True:
-            try:
-                fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)  # usually free at the first try
-                return
-            except (BlockingIOError, PermissionError):
-                if deadline is None:
-                    deadline = time.monotonic() + self.LOCK_TIMEOUT
-                elif time.monotonic() >= deadline:
+        self.lock_calls += 1
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)  # usually free at the first try
+            return
+        except (BlockingIOError, PermissionError):
+            pass
+        t0 = time.monotonic()
+        self.lock_contended += 1
+        deadline, pause = t0 + self.LOCK_TIMEOUT, 0.0001
+        try:
+            while True:
+                if time.monotonic() >= deadline:
                     raise TransportError(
                         f"shm pool {self.name}: its lock was held by another process for {self.LOCK_TIMEOUT:.0f} s "
-                        f"(pid {self._lock_holder()}; stopped or hung?)") from None
+                        f"(pid {self._lock_holder()}; stopped or hung?)")
                 time.sleep(pause)
                 pause = min(pause * 2, 0.005)
+                try:
+                    fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+                    return
+                except (BlockingIOError, PermissionError):
+                    continue
+        finally:
+            waited = time.monotonic() - t0
+            self.lock_wait_s += waited
+            self.lock_wait_max_s = max(self.lock_wait_max_s, waited)
+
+    def lock_stats(self) -> dict[str, float]:
+        """This process's acquisitions of the pool lock, how many found it held by another process, and the
+        time waited (total and longest, ms)."""
+        return {"acquired": self.lock_calls, "contended": self.lock_contended,
+                "waited_ms": 1e3 * self.lock_wait_s, "longest_wait_ms": 1e3 * self.lock_wait_max_s}
 
     def _lock_holder(self) -> int | None:
         """The pid holding the pool lock (F_GETLK), or ``None``."""

@@ -352,9 +352,13 @@ def test_a_stopped_lock_holder_is_a_named_error_not_a_hang():
         with pytest.raises(TransportError, match=f"held by another process for 1 s \\(pid {holder.pid}"):
             pool.claim(1, 0, b"k")
         assert 0.9 < time.monotonic() - t0 < 5
+        st = pool.lock_stats()  # the wait is counted where the engine's worker logs it
+        assert st["acquired"] == st["contended"] == 1 and 900 < st["longest_wait_ms"] == st["waited_ms"] < 5000
         holder.kill()
         holder.wait(10)
         assert pool.claim(1, 0, b"k") == 0  # the kernel dropped the dead holder's lock
+        st = pool.lock_stats()
+        assert st["acquired"] == 2 and st["contended"] == 1  # a free lock is not a contended one
     finally:
         holder.kill()
         holder.wait(10)
