@@ -8,7 +8,11 @@ capture call returns: they are counted (and each one's token digest proven by th
 the driving process's view of every variant (``Timeline``: occupancy, request latency, requests per engine
 output), which tells an engine-side gap from a driver-side one.
 
-Variants (``--variants``; the ratio column is ``capture`` over ``plain``, the others explain the gap):
+Variants (``--variants``; the ratio column is ``capture`` over ``plain``, the others explain the gap; dropped
+once they explain nothing more, with where their answer stands: ``floor-hashed``, vLLM's block hashes kept,
+0.94 of the floor's throughput at 256 in flight, RESULTS 2026-12-04 evening; the skip is the default and warns
+by name at start-up where it did not take; ``capture-torch``, the torch record path, measured against the lean one on 2026-12-03/04;
+``capture-piecewise``, PIECEWISE graphs, which prefill runs either way: ``serve_overhead.py`` keeps it):
     plain              vLLM as users run it (its default scheduling)
     floor              the hook capture engine + the layertap connector, reading no rows (the cost of the
                        model writing its rows into the capture layer)
@@ -16,9 +20,6 @@ Variants (``--variants``; the ratio column is ``capture`` over ``plain``, the ot
                        forward stream waits for the gather), then dropped: no transport memory, host copy or
                        record; between floor and capture-raw it splits the record path into the gather and
                        the rest (reservations, host copies, commits, the consumer)
-    floor-hashed       floor with vLLM's per-request block hashes computed as vLLM does for any connector
-                       (connector option block_hashes=True; by default a capture engine without prefix
-                       caching skips them): floor-hashed / floor is what skipping them buys
     capture            layertap capture (default: hook path, vLLM's default scheduling, records written in
                        place in the shm pool and committed on the device: a commit word copied after each
                        payload, no engine thread waits for the copies)
@@ -29,12 +30,6 @@ Variants (``--variants``; the ratio column is ``capture`` over ``plain``, the ot
                        engine step (Tap.defer_records=False); by default records wait while an engine output
                        does (at least one a round): capture / capture-eager is what that ordering buys, and
                        the ``late`` phase (--stats) shows the driver's delay in each
-    capture-torch      capture on the torch record path (connector option lean=False: the gather on a side
-                       stream, tensor views of the transport memory, torch copies), the default before the
-                       lean path: capture / capture-torch is what the lean path buys
-    capture-piecewise  capture with vLLM's fallback to PIECEWISE CUDA graphs (connector option
-                       full_graphs=False; the default keeps FULL graphs for decode batches); prefill-only
-                       rounds run piecewise either way, so it shows in decode-heavy serving
     floor-extract      as floor, through vLLM's extract_hidden_states (capture_path="extract")
     capture-extract    capture through extract_hidden_states (synchronous scheduling on vLLM 0.25/CUDA)
 
@@ -320,7 +315,7 @@ class Plain:
 class Floor(Plain):
     """The capture path's engine + the connector, which reports every save done without reading a row."""
 
-    def __init__(self, model, data, args, path: str = "hook", gather: bool = False, hashed: bool = False, **extra):
+    def __init__(self, model, data, args, path: str = "hook", gather: bool = False, **extra):
         from vllm import LLM
 
         from layertap.engine import compat, launch
@@ -330,7 +325,7 @@ class Floor(Plain):
         v = compat.check_version()
         kw = {**compat.engine_defaults(v, torch.cuda.is_available(), {}, path), **engine_kwargs(args)}
         conn = {"transport": {"backend": "shm"}, "run_meta": {}, "capture_path": path, "layer_ids": list(args.layers),
-                **({"gather_only": True} if gather else {"skip_reads": True}), **({"block_hashes": True} if hashed else {})}
+                **({"gather_only": True} if gather else {"skip_reads": True})}
         with launch.engine_env_set(launch.engine_env(torch.cuda.is_available(), kw)):
             self.llm = LLM(model=str(model), **launch.engine_capture_kwargs(path, args.layers, kw),
                            kv_transfer_config=launch.kv_transfer_config(conn), **kw, **extra)
@@ -470,14 +465,9 @@ VARIANTS = {
     "plain": lambda m, d, a: Plain(m, d, a, **profiler_kwargs(a, "plain")),
     "floor": lambda m, d, a: Floor(m, d, a, **profiler_kwargs(a, "floor")),
     "floor-gather": lambda m, d, a: Floor(m, d, a, gather=True, **profiler_kwargs(a, "floor-gather")),
-    "floor-hashed": lambda m, d, a: Floor(m, d, a, hashed=True, **profiler_kwargs(a, "floor-hashed")),
     "capture": lambda m, d, a: Capture(m, d, a, **profiler_kwargs(a, "capture")),
     "capture-raw": lambda m, d, a: CaptureRaw(m, d, a, **profiler_kwargs(a, "capture-raw")),
     "capture-eager": lambda m, d, a: Capture(m, d, a, defer_records=False, **profiler_kwargs(a, "capture-eager")),
-    "capture-torch": lambda m, d, a: Capture(m, d, a, connector_options={"lean": False},
-                                             **profiler_kwargs(a, "capture-torch")),
-    "capture-piecewise": lambda m, d, a: Capture(m, d, a, connector_options={"full_graphs": False},
-                                                 **profiler_kwargs(a, "capture-piecewise")),
     "floor-extract": lambda m, d, a: Floor(m, d, a, path="extract", **profiler_kwargs(a, "floor-extract")),
     "capture-extract": lambda m, d, a: Capture(m, d, a, capture_path="extract", **profiler_kwargs(a, "capture-extract")),
 }

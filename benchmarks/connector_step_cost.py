@@ -127,7 +127,7 @@ def parse(argv):
                     help="variants whose per-function own time per step (cProfile) is printed against plain's, "
                          "largest excess first: where a variant's extra CPU per step goes, vLLM's frames included")
     ap.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
-                    help="comma-separated capture_overhead variants, plain first (e.g. plain,floor,capture-piecewise)")
+                    help="comma-separated capture_overhead variants, plain first (e.g. plain,floor,capture-eager)")
     a = ap.parse_args(argv)
     if a.variants[:1] != ["plain"] or any(v not in co.VARIANTS for v in a.variants):
         raise SystemExit(f"--variants must start with plain and name variants of {list(co.VARIANTS)}")
