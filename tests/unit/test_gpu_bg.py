@@ -65,3 +65,23 @@ def test_start_needs_one_command_line(tmp_path: Path) -> None:
     env = _env(tmp_path, bundle=False)
     assert _run(env, "start").returncode == 2
     assert _run(env, "start", "a", "b").returncode == 2
+
+
+def test_wait_brings_everything_back_within_the_device_calls_file_limit(tmp_path: Path) -> None:
+    """A device call returns at most 8 files, two folders down: `wait` packs what the job wrote into one
+    archive (torch traces aside) and puts the newest top-level files beside it, 8 files in all."""
+    import tarfile
+
+    env = _env(tmp_path, bundle=False)
+    job = ('for i in 1 2 3 4 5 6 7 8 9; do echo $i > "$OUT/f$i.log"; done; mkdir -p "$OUT/a/b/c"; '
+           'echo deep > "$OUT/a/b/c/r.json"; echo t > "$OUT/x.pt.trace.json.gz"')
+    assert _run(env, "start", job).returncode == 0
+    assert _run(env, "wait", "30").returncode == 0
+    out = tmp_path / "out"
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8, files
+    with tarfile.open(out / "bg_out.tgz") as t:
+        names = {n.lstrip("./") for n in t.getnames()}
+    assert {f"f{i}.log" for i in range(1, 10)} | {"a/b/c/r.json"} <= names
+    assert "x.pt.trace.json.gz" not in names
+    assert (out / "gpu_bg.log").exists() and (out / "f9.log").read_text() == "9\n"
