@@ -3,18 +3,28 @@ requests in flight, under py-spy, and summarize the samples per process and thre
 
     python benchmarks/profile_capture.py --variant capture --inflight 1 --out prof/   # needs py-spy on PATH
     python benchmarks/profile_capture.py --summarize prof/capture_1.txt                # re-read a profile
+    python benchmarks/profile_capture.py --diff prof/plain_16.json prof/capture_16.json   # ms per request, A -> B
 
 The workload and model flags are capture_overhead.py's (same defaults). The summary lists, per process and
 thread, the share of samples in each top-level activity and in layertap's own frames; idle samples are
 kept (``--idle``), so "waiting" shows where a process waits for another.
+
+Beside each raw profile, ``<variant>_<inflight>.json`` keeps every thread's inclusive sample counts by
+function and the request rate while it ran; ``--diff A B`` turns two of them into milliseconds per request
+(a function's share of a thread's samples times the thread's wall time per request) and prints, for each
+thread both runs have (matched by process and thread name, not pid), the functions whose time per request
+differs most: where one variant's extra time per request goes, waiting included.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
+import re
 import shutil
+import statistics
 import signal
 import subprocess
 import sys
@@ -28,6 +38,60 @@ def _site(frame: str) -> str:
     """``func (path/to/file.py:123)`` -> ``func (file.py)``: one name per function, whatever line it is on."""
     name, _, where = frame.partition(" (")
     return f"{name} ({where.rsplit('/', 1)[-1].split(':')[0].rstrip(')')})" if where else name
+
+
+def _role(proc: str, thread: str) -> str:
+    """A thread's name across runs: its process's title and its own name, without pids or thread ids."""
+    proc = re.sub(r"^process \d+:", "", proc).strip('"').split(" --")[0][:60]
+    name = re.sub(r"^thread \(\w+\):? ?", "", thread)[:40]
+    return f"{proc} | {name}"
+
+
+def counts(path: Path) -> dict[str, dict]:
+    """Per thread (``_role``): its samples and each function's inclusive sample count (once per sample)."""
+    out: dict[str, dict] = {}
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        frames = stack.split(";")
+        procs = [f for f in frames if f.startswith("process ")]
+        thread = next((f for f in frames if f.startswith("thread ")), "thread ?")
+        t = out.setdefault(_role(procs[-1] if procs else "process ?", thread), {"samples": 0, "inclusive": {}})
+        t["samples"] += int(n)
+        for f in {_site(f) for f in frames if not f.startswith(("process ", "thread "))}:
+            t["inclusive"][f] = t["inclusive"].get(f, 0) + int(n)
+    return out
+
+
+def requests_per_s(rates: list[float], prompt_len: int) -> float:
+    """Requests a second while py-spy ran: the median of the rate lines after the first three (those ran
+    before it attached), in tokens/s, over the prompt length."""
+    body = rates[3:] if len(rates) > 4 else rates
+    if not body or prompt_len <= 0:
+        raise ValueError("no request rate to turn samples into time per request")
+    return statistics.median(body) / prompt_len
+
+
+def diff(a: dict, b: dict, top: int = 15, min_ms: float = 0.05) -> str:
+    """Two profiles' sidecars (``counts`` + rate): per thread both have, the functions whose inclusive time
+    per request differs most, B minus A, in ms."""
+    lines = [f"{a['variant']} -> {b['variant']} at {b['inflight']} in flight: ms per request (inclusive; a thread's "
+             f"wall time per request is 1000 / requests per s: {1e3 / a['requests_per_s']:.2f} -> "
+             f"{1e3 / b['requests_per_s']:.2f})"]
+    for role in sorted(set(a["threads"]) & set(b["threads"])):
+        ms = []
+        for side in (a, b):
+            t = side["threads"][role]
+            wall = 1e3 / side["requests_per_s"]
+            ms.append({f: wall * n / t["samples"] for f, n in t["inclusive"].items()} if t["samples"] else {})
+        rows = sorted(set(ms[0]) | set(ms[1]), key=lambda f: -abs(ms[1].get(f, 0.0) - ms[0].get(f, 0.0)))
+        rows = [f for f in rows[:top] if abs(ms[1].get(f, 0.0) - ms[0].get(f, 0.0)) >= min_ms]
+        if rows:
+            lines.append(f"{role}")
+            lines += [f"    {ms[0].get(f, 0.0):8.3f} {ms[1].get(f, 0.0):8.3f} {ms[1].get(f, 0.0) - ms[0].get(f, 0.0):+8.3f}  {f[:110]}"
+                      for f in rows]
+    return "\n".join(lines)
 
 
 def summarize(path: Path, top: int = 12, inclusive_top: int = 40) -> str:
@@ -72,10 +136,15 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=12.0, help="py-spy sampling time")
     ap.add_argument("--out", default="prof")
     ap.add_argument("--summarize", default=None, help="only summarize this raw py-spy profile")
+    ap.add_argument("--diff", nargs=2, default=None, metavar=("A", "B"),
+                    help="two profiles' .json sidecars: ms per request by function, B minus A")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args()
     if args.summarize:
         print(summarize(Path(args.summarize)))
+        return
+    if args.diff:
+        print(diff(*(json.loads(Path(p).read_text()) for p in args.diff)))
         return
     if args.child:  # the profiled process: one engine, requests until killed
         bench_args = co.parse_args(rest)
@@ -113,6 +182,13 @@ def main() -> None:
             pass
         child.wait()
     rates = [ln for ln in (out / f"{name}.log").read_text().splitlines() if ln.startswith("rate ")]
+    bench_args = co.parse_args(rest)
+    try:
+        rps = requests_per_s([float(ln.split()[1]) for ln in rates], bench_args.prompt_len)
+    except ValueError:
+        rps = float("nan")
+    (out / f"{name}.json").write_text(json.dumps({"variant": args.variant, "inflight": args.inflight,
+                                                  "requests_per_s": rps, "rates": rates, "threads": counts(raw)}))
     summary = f"{args.variant}, {args.inflight} in flight; rates (the first ones unprofiled): {rates[:6]}\n" + summarize(raw)
     (out / f"{name}.summary.txt").write_text(summary)
     print(summary)

@@ -30,6 +30,12 @@ for n in 16 1; do
   PROFILE_INFLIGHT=$n PROFILE_VARIANTS="plain floor capture" PROFILE_ARGS="--gpu-build --seconds 12" \
     bash scripts/gpu_check.sh profile
 done
+for n in 16 1; do  # where capture's extra time per request goes, by thread and function
+  for pair in "plain floor" "plain capture" "floor capture"; do
+    set -- $pair
+    python3 benchmarks/profile_capture.py --diff "$OUT/profile/${1}_$n.json" "$OUT/profile/${2}_$n.json"
+  done
+done 2>&1 | tee "$OUT/pyspy_diffs.txt"
 el "py-spy profiles"
 SKIP_TRAIN_BENCH=1 SKIP_PROFILE=1 BENCH_REPEATS=6 BENCH_BATCH_SIZES=1,4,16 \
   BENCH_VARIANTS=plain,floor,capture,capture-raw BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats" \
