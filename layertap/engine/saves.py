@@ -3,7 +3,6 @@ workers (see ``connector``'s docstring for the whole protocol). Runs in the engi
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +10,7 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from layertap.engine import compat
-from layertap.records import LAYER_SEMANTICS, token_bytes
+from layertap.records import LAYER_SEMANTICS, sha256_hex, token_bytes
 
 PARAMS_KEY = "layertap"  # kv_transfer_params[PARAMS_KEY] marks a request for capture
 
@@ -153,7 +152,7 @@ class SchedulerSide:
         meta = {
             "key": key, "request_id": rid, "index": int(params.get("index", -1)), "mode": mode,
             "num_tokens": n_rows, "num_prompt_tokens": min(n_prompt, n_rows),
-            "token_digest": hashlib.sha256(raw).hexdigest(), "next_token_id": next_token,
+            "token_digest": sha256_hex(raw), "next_token_id": next_token,
             **{k: v for k, v in params.items() if k in ("sample", "run", "loss_spans")},
         }
         return SaveJob(rid, key, block_ids, ids, n_rows, meta, shared=self.shared)

@@ -88,3 +88,27 @@ def test_non_str_keys_follow_json():
     """A manifest with a non-str field name takes json's own rules (the key coerced), as before the hand encoding."""
     tensors = {"token_ids": (torch.int64, (4,))}
     assert layout(tensors, {2: "b", 1: "a"})[0] == _reference_prefix(tensors, {2: "b", 1: "a"})
+
+
+def test_sha256_hex_is_sha256_in_pieces_that_keep_the_gil():
+    """The digests on the engine's and the driver's hot threads are fed to hashlib below 2048 bytes at a time
+    (hashlib releases the GIL from 2048 bytes on); the digest is sha256's, whatever the length or the input's
+    type, and a record's token digest is unchanged."""
+    import hashlib
+
+    import numpy as np
+    import torch
+
+    from layertap.records import _HASH_CHUNK, sha256_hex, token_digest
+
+    assert _HASH_CHUNK < 2048
+    for n in (0, 1, 2046, 2047, 2048, 4094, 4095, 8192, 10001):
+        data = bytes((7 * i) % 251 for i in range(n))
+        want = hashlib.sha256(data).hexdigest()
+        assert sha256_hex(data) == sha256_hex(bytearray(data)) == sha256_hex(memoryview(data)) == want
+    ids = list(range(3, 3000, 3))
+    want = hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()
+    t = torch.tensor(ids + ids, dtype=torch.int64)[::2]  # not contiguous
+    assert token_digest(ids) == token_digest(np.asarray(ids)) == token_digest(torch.tensor(ids)) == want
+    assert token_digest(t[: len(ids)]) == hashlib.sha256(np.asarray((ids + ids)[::2][: len(ids)], dtype="<i8").tobytes()).hexdigest()
+    assert sha256_hex(np.arange(4, dtype=np.int32)) == hashlib.sha256(np.arange(4, dtype=np.int32).tobytes()).hexdigest()
