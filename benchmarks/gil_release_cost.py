@@ -48,6 +48,22 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         "numpy copy of 1024 int64": lambda: dst.__setitem__(slice(None), src),
         "torch.empty(1)": lambda: torch.empty(1),
     }
+    if torch.cuda.is_available():  # the lean record path's calls on the engine's step thread
+        dev = torch.device("cuda")
+        view = torch.zeros(256, 16, 4, 256, device=dev, dtype=torch.bfloat16)
+        idx = torch.arange(64, device=dev)
+        side = torch.cuda.Stream()
+        ev = torch.cuda.Event()
+        rows = torch.index_select(view, 0, idx)
+        calls.update({
+            "torch.cuda.Event()": lambda: torch.cuda.Event(),
+            "event.record()": lambda: ev.record(),
+            "stream.wait_event": lambda: side.wait_event(ev),
+            "event.query()": lambda: ev.query(),
+            "index_select on the device": lambda: torch.index_select(view, 0, idx),
+            "tensor.record_stream": lambda: rows.record_stream(side),
+            "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(),
+        })
     assert hashlib.sha256(raw).hexdigest() == sha256_hex(raw)
     alone = {k: _time(f, n) for k, f in calls.items()}
     stop = threading.Event()
