@@ -8,7 +8,11 @@ switch interval (``sys.getswitchinterval()``, 5 ms by default). This prints, for
 time alone and beside one busy thread, in one process, and the ratio of the sha256 of a 1024-token record's
 ids fed whole (releases the GIL) to the same digest fed in pieces that keep it (``records.sha256_hex``).
 
-    python benchmarks/gil_release_cost.py
+Run it on an otherwise idle machine: the hand-off costs a switch interval only while the busy thread has a
+core to run on (on this 2-core box under the test suite's load the busy thread seldom ran, and no call was
+slowed). On CUDA it also times the lean record path's calls (events, stream waits, the gather, record_stream).
+
+    python benchmarks/gil_release_cost.py [CALLS]
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@
 #      engine *outside* its steps (1.97 / 0.69 ms per request; floor 0.80, capture-raw 1.49): py-spy over
 #      every process (idle samples kept) of plain, floor and capture at 16 and at 1 in flight names the
 #      functions (scheduler, output path, connector, waiting for input) that hold that time.
+#      Before it (PRE, no vLLM): which of the step thread's CUDA calls let go of the GIL, and what getting it back
+#      costs beside a busy thread (benchmarks/gil_release_cost.py; on the CPU a whole-buffer sha256 took 4 ms
+#      there, and the scheduler's per-record digest now keeps the GIL).
 #   2. Small model, 1-16 in flight, six paired rounds (plain, floor, capture, capture-raw; --stats).
 #   3. Serving the 8B shape, 2 rounds and the HF check of served records on the GPU.
 #   4. Prefill of the 8B shape at every batch size.
@@ -16,7 +19,8 @@
 # wheel); serve wheels: bash scripts/build-serve-wheels.sh). Keep the calls back to back: a machine idle for
 # 30 s is given back, and with it every result not yet copied out (the 2026-12-05 lease lost steps 2-4 so).
 #   1 (carry .gpubundle/p00_00 .gpubundle/py_spy-*.whl): mkdir -p $HOME/vllm-bundle && mv .gpubundle/p00_00
-#       $HOME/vllm-bundle/ && PRE='bash scripts/gpu_check.sh models' bash scripts/gpu_bg.sh start
+#       $HOME/vllm-bundle/ && PRE='bash scripts/gpu_check.sh models && python3 benchmarks/gil_release_cost.py |
+#       tee $OUT/gil_release_cost.txt' bash scripts/gpu_bg.sh start
 #       'bash scripts/lease_issue15.sh' && bash scripts/gpu_bg.sh wait 5
 #   2 (carry .gpubundle/{p00_01,part01,SHA256SUMS,install-on-device.sh}): cd $HOME/vllm-bundle && cat p00_00
 #       $OLDPWD/.gpubundle/p00_01 > part00 && rm p00_00 && cd $OLDPWD && mv .gpubundle/part01 .gpubundle/SHA256SUMS
