@@ -47,9 +47,8 @@ def _role(proc: str, thread: str) -> str:
     return f"{proc} | {name}"
 
 
-def counts(path: Path) -> dict[str, dict]:
-    """Per thread (``_role``): its samples and each function's inclusive sample count (once per sample)."""
-    out: dict[str, dict] = {}
+def _samples(path: Path):
+    """(process frame, thread frame, code frames, samples) per line of a raw py-spy profile."""
     for line in path.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
         if not stack or not n.isdigit():
@@ -57,10 +56,18 @@ def counts(path: Path) -> dict[str, dict]:
         frames = stack.split(";")
         procs = [f for f in frames if f.startswith("process ")]
         thread = next((f for f in frames if f.startswith("thread ")), "thread ?")
-        t = out.setdefault(_role(procs[-1] if procs else "process ?", thread), {"samples": 0, "inclusive": {}})
-        t["samples"] += int(n)
-        for f in {_site(f) for f in frames if not f.startswith(("process ", "thread "))}:
-            t["inclusive"][f] = t["inclusive"].get(f, 0) + int(n)
+        yield (procs[-1] if procs else "process ?", thread,
+               [f for f in frames if not f.startswith(("process ", "thread "))], int(n))
+
+
+def counts(path: Path) -> dict[str, dict]:
+    """Per thread (``_role``): its samples and each function's inclusive sample count (once per sample)."""
+    out: dict[str, dict] = {}
+    for proc, thread, code, n in _samples(path):
+        t = out.setdefault(_role(proc, thread), {"samples": 0, "inclusive": {}})
+        t["samples"] += n
+        for f in set(map(_site, code)):
+            t["inclusive"][f] = t["inclusive"].get(f, 0) + n
     return out
 
 
@@ -104,20 +111,15 @@ def summarize(path: Path, top: int = 12, inclusive_top: int = 40) -> str:
     per_thread: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     ours: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     inclusive: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)  # once per sample
-    for line in path.read_text().splitlines():
-        stack, _, n = line.rpartition(" ")
-        frames = stack.split(";")
-        procs = [f for f in frames if f.startswith("process ")]
-        thread = next((f for f in frames if f.startswith("thread ")), "thread ?")
-        key = f"{procs[-1][:60] if procs else 'process ?'} | {thread[:40]}"
-        code = [f for f in frames if not f.startswith(("process ", "thread "))]
+    for proc, thread, code, n in _samples(path):
+        key = f"{proc[:60]} | {thread[:40]}"
         body = [f.split(" (")[0] for f in code]
-        per_thread[key][" ; ".join(body[-2:]) or "-"] += int(n)
+        per_thread[key][" ; ".join(body[-2:]) or "-"] += n
         for f in set(map(_site, code)):
-            inclusive[key][f] += int(n)
+            inclusive[key][f] += n
         mine = [f for f in body if "Layertap" in f or "WorkerSide" in f or "Tap." in f or "capture_hook" in f]
         if mine:
-            ours[key][mine[-1]] += int(n)
+            ours[key][mine[-1]] += n
     out = []
     for key, c in sorted(per_thread.items(), key=lambda kv: -sum(kv[1].values())):
         total = sum(c.values())

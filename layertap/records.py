@@ -62,7 +62,7 @@ _HASH_CHUNK = 2047
 """hashlib lets go of the GIL while it hashes 2048 bytes or more at once. A 1024-token record's ids are 8 KiB,
 hashed in ~7 us; getting the GIL back afterwards can take a switch interval (5 ms) whenever another thread of
 the process has Python to run (``benchmarks/gil_release_cost.py``). So the digests on the engine's scheduler
-step and the driver's loop are fed in pieces below that size and keep the GIL: ~1 us more, no hand-off."""
+step and the driver's loop are fed in pieces below that size and keep the GIL: ~3 us more, no hand-off."""
 
 
 def sha256_hex(data: bytes | bytearray | memoryview) -> str:

@@ -598,9 +598,9 @@ class WorkerSide:
                 log.info("layertap worker: the record path per record (us): %s; other per-step work %.1f us per step",
                          ", ".join(f"{k} {1e6 * v / self.saved:.1f}" for k, v in self.phase_s.items()),
                          1e6 * (self.busy_s - sum(self.phase_s.values())) / self.calls)
-        stats = getattr(getattr(self.sink, "pool", None), "lock_stats", None)
-        if stats is not None and stats()["acquired"]:
-            st = stats()  # the engine's waits for the transport's lock (held meanwhile by the consumer)
+        pool = getattr(self.sink, "pool", None)  # the engine's waits for the transport's lock (shm only)
+        st = pool.lock_stats() if hasattr(pool, "lock_stats") else None
+        if st and st["acquired"]:
             log.info("layertap worker: the pool lock was taken %d times, %d found held by the consumer; waited "
                      "%.2f ms in all, %.2f ms at most", st["acquired"], st["contended"], st["waited_ms"],
                      st["longest_wait_ms"])

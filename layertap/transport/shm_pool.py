@@ -214,13 +214,17 @@ class Pool:
             finally:
                 fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, 0)
 
+    def _try_lock(self) -> bool:
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+            return True
+        except (BlockingIOError, PermissionError):
+            return False
+
     def _acquire(self) -> None:
         self.lock_calls += 1
-        try:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)  # usually free at the first try
+        if self._try_lock():  # usually free at the first try
             return
-        except (BlockingIOError, PermissionError):
-            pass
         t0 = time.monotonic()
         self.lock_contended += 1
         deadline, pause = t0 + self.LOCK_TIMEOUT, 0.0001
@@ -232,11 +236,8 @@ class Pool:
                         f"(pid {self._lock_holder()}; stopped or hung?)")
                 time.sleep(pause)
                 pause = min(pause * 2, 0.005)
-                try:
-                    fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+                if self._try_lock():
                     return
-                except (BlockingIOError, PermissionError):
-                    continue
         finally:
             waited = time.monotonic() - t0
             self.lock_wait_s += waited
