@@ -5,12 +5,12 @@
 #   1. Where the engine's time goes between steps. The 2026-12-05 H100 lease's torch-profiler trace at 16 in
 #      flight put capture's GPU kernels within 1% of plain's (2.81 / 2.78 ms per request) and its gap in the
 #      engine *outside* its steps (1.97 / 0.69 ms per request; floor 0.80, capture-raw 1.49): py-spy over
-#      every process (idle samples kept) of plain, floor and capture at 16 and at 1 in flight names the
+#      every process (idle samples kept) of plain, floor and capture at 4 in flight (the worst) names the
 #      functions (scheduler, output path, connector, waiting for input) that hold that time.
 #      Before it (PRE, no vLLM): which of the step thread's CUDA calls let go of the GIL, and what getting it back
 #      costs beside a busy thread (benchmarks/gil_release_cost.py; on the CPU a whole-buffer sha256 took 4 ms
 #      there, and the scheduler's per-record digest now keeps the GIL).
-#   2. Small model, 1-16 in flight, six paired rounds (plain, floor, capture, capture-raw; --stats).
+#   2. Small model, 1-16 in flight, six paired rounds (plain, floor, capture; --stats).
 #   3. Serving the 8B shape, 2 rounds and the HF check of served records on the GPU.
 #   4. Prefill of the 8B shape at every batch size.
 # About 3 (machine, vLLM) + 5 + 7 + 7 + 6 min of device time. The call chain (a fresh machine; parts from
@@ -30,11 +30,11 @@
 #   Each wait returns everything written so far as bg_out.tgz (plus the newest top-level files).
 set -u
 T0=$(date +%s); el() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
-for n in 16 1; do
+for n in 4; do  # 4 in flight: the H100's worst ratio on 2026-12-05 (0.80)
   PROFILE_INFLIGHT=$n PROFILE_VARIANTS="plain floor capture" PROFILE_ARGS="--gpu-build --seconds 12" \
     bash scripts/gpu_check.sh profile
 done
-for n in 16 1; do  # where capture's extra time per request goes, by thread and function
+for n in 4; do  # where capture's extra time per request goes, by thread and function
   for pair in "plain floor" "plain capture" "floor capture"; do
     set -- $pair
     python3 benchmarks/profile_capture.py --diff "$OUT/profile/${1}_$n.json" "$OUT/profile/${2}_$n.json"
@@ -42,7 +42,7 @@ for n in 16 1; do  # where capture's extra time per request goes, by thread and 
 done 2>&1 | tee "$OUT/pyspy_diffs.txt"
 el "py-spy profiles"
 SKIP_TRAIN_BENCH=1 SKIP_PROFILE=1 BENCH_REPEATS=6 BENCH_BATCH_SIZES=1,4,16 \
-  BENCH_VARIANTS=plain,floor,capture,capture-raw BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats" \
+  BENCH_VARIANTS=plain,floor,capture BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats" \
   bash scripts/gpu_check.sh bench
 mkdir -p "$OUT/small" && mv "$OUT"/capture_overhead.* "$OUT/small/"
 el "small prefill"
