@@ -30,6 +30,9 @@
 #   Each wait returns everything written so far as bg_out.tgz (plus the newest top-level files).
 set -u
 T0=$(date +%s); el() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
+# LEASE_STEPS picks and orders the steps (a lease with less device time left runs fewer): profile small serve big
+steps=${LEASE_STEPS:-profile small serve big}
+profile() {
 for n in 4; do  # 4 in flight: the H100's worst ratio on 2026-12-05 (0.80)
   PROFILE_INFLIGHT=$n PROFILE_VARIANTS="plain floor capture" PROFILE_ARGS="--gpu-build --seconds 12" \
     bash scripts/gpu_check.sh profile
@@ -41,16 +44,22 @@ for n in 4; do  # where capture's extra time per request goes, by thread and fun
   done
 done 2>&1 | tee "$OUT/pyspy_diffs.txt"
 el "py-spy profiles"
+}
+small() {
 SKIP_TRAIN_BENCH=1 SKIP_PROFILE=1 BENCH_REPEATS=6 BENCH_BATCH_SIZES=1,4,16 \
   BENCH_VARIANTS=plain,floor,capture BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats" \
   bash scripts/gpu_check.sh bench
 mkdir -p "$OUT/small" && mv "$OUT"/capture_overhead.* "$OUT/small/"
 el "small prefill"
+}
+serve() {
 for i in $(seq 300); do [ -f "$HOME/serve-wheels/.done" ] && break; sleep 2; done
 ln -sfn "$HOME/serve-wheels" .gpubundle/serve
-SERVE_ROUNDS=2 SERVE_DEADLINE=400 SERVE_VARIANTS=plain,capture \
+SERVE_ROUNDS=${SERVE_ROUNDS:-2} SERVE_DEADLINE=${SERVE_DEADLINE:-400} SERVE_VARIANTS=plain,capture \
   SERVE_ARGS="--hidden 4096 --num-layers 32 --gpu-build --verify 8" bash scripts/gpu_check.sh serve
 el "serve"
+}
+big() {
 source "$HOME/vllm-site/env.sh"
 export PYTHONPATH=$PWD LAYERTAP_CACHE=/tmp/layertap-cache VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 timeout 420 python3 benchmarks/capture_overhead.py --hidden 4096 --num-layers 32 --head-dim 128 --vocab 2048 \
@@ -59,3 +68,5 @@ timeout 420 python3 benchmarks/capture_overhead.py --hidden 4096 --num-layers 32
   > "$OUT/capture_overhead_8b.log" 2>&1
 grep "round\|^ *[0-9]" "$OUT/capture_overhead_8b.log" | grep -v "^(Engine" | tail -40
 el "8B prefill"
+}
+for s in $steps; do $s; done
