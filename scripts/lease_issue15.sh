@@ -61,10 +61,10 @@ el "serve"
 }
 big() {
 source "$HOME/vllm-site/env.sh"
-export PYTHONPATH=$PWD LAYERTAP_CACHE=/tmp/layertap-cache VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
-timeout 420 python3 benchmarks/capture_overhead.py --hidden 4096 --num-layers 32 --head-dim 128 --vocab 2048 \
+export PYTHONPATH=$PWD:$PYTHONPATH LAYERTAP_CACHE=/tmp/layertap-cache VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+timeout ${BIG_TIMEOUT:-420} python3 benchmarks/capture_overhead.py --hidden 4096 --num-layers 32 --head-dim 128 --vocab 2048 \
   --prompts 256 --prompt-len 1024 --dtype bfloat16 --transport shm --slot-mb 33 --batch-sizes 1,4,16,64,256 \
-  --variants plain,capture --repeats 3 --no-hf --gpu-build --stats --json "$OUT/capture_overhead_8b.json" \
+  --variants plain,capture --repeats ${BIG_REPEATS:-3} --no-hf --gpu-build --stats --json "$OUT/capture_overhead_8b.json" \
   > "$OUT/capture_overhead_8b.log" 2>&1
 grep "round\|^ *[0-9]" "$OUT/capture_overhead_8b.log" | grep -v "^(Engine" | tail -40
 el "8B prefill"
