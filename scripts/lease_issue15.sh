@@ -31,7 +31,25 @@
 set -u
 T0=$(date +%s); el() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
 # LEASE_STEPS picks and orders the steps (a lease with less device time left runs fewer): profile small serve big
-steps=${LEASE_STEPS:-profile small serve big}
+steps=${LEASE_STEPS:-trace8b serve small big}
+big_env() {
+  source "$HOME/vllm-site/env.sh"
+  export PYTHONPATH=$PWD:$PYTHONPATH LAYERTAP_CACHE=/tmp/layertap-cache VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+}
+BIG="--hidden 4096 --num-layers 32 --head-dim 128 --vocab 2048 --prompts 256 --prompt-len 1024 --dtype bfloat16
+  --transport shm --slot-mb 33 --no-hf --gpu-build --stats"
+trace8b() {  # the 8B shape at 1 in flight (2026-12-05: engine time per request 32.7 / 24.0 ms, capture / plain,
+  # while 4-256 in flight were 0.94-0.99): a torch-profiler trace of each engine names what fills those 8 ms
+  ( big_env
+    timeout 300 python3 benchmarks/capture_overhead.py $BIG --batch-sizes 1,4 --variants plain,capture --repeats 2 \
+      --profile-dir /tmp/lt-prof8b --profile-inflight 1 --json "$OUT/trace8b.json" > "$OUT/trace8b.log" 2>&1
+    grep "round\|^ *[0-9]\|profiled" "$OUT/trace8b.log" | grep -v "^(Engine" | tail -30
+    mkdir -p "$OUT/trace8b" && cp /tmp/lt-prof8b/*/*.summary.json "$OUT/trace8b/"
+    for t in /tmp/lt-prof8b/{plain,capture}/*inflight1*.json.gz; do
+      [ -f "$t" ] && [ "$(stat -c %s "$t")" -lt 15000000 ] && cp "$t" "$OUT/trace8b/"
+    done )
+  el "8B trace at 1 in flight"
+}
 profile() {
 for n in 4; do  # 4 in flight: the H100's worst ratio on 2026-12-05 (0.80)
   PROFILE_INFLIGHT=$n PROFILE_VARIANTS="plain floor capture" PROFILE_ARGS="--gpu-build --seconds 12" \
@@ -60,11 +78,9 @@ SERVE_ROUNDS=${SERVE_ROUNDS:-2} SERVE_DEADLINE=${SERVE_DEADLINE:-400} SERVE_VARI
 el "serve"
 }
 big() {
-source "$HOME/vllm-site/env.sh"
-export PYTHONPATH=$PWD:$PYTHONPATH LAYERTAP_CACHE=/tmp/layertap-cache VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
-timeout ${BIG_TIMEOUT:-420} python3 benchmarks/capture_overhead.py --hidden 4096 --num-layers 32 --head-dim 128 --vocab 2048 \
-  --prompts 256 --prompt-len 1024 --dtype bfloat16 --transport shm --slot-mb 33 --batch-sizes 1,4,16,64,256 \
-  --variants plain,capture --repeats ${BIG_REPEATS:-3} --no-hf --gpu-build --stats --json "$OUT/capture_overhead_8b.json" \
+big_env
+timeout ${BIG_TIMEOUT:-420} python3 benchmarks/capture_overhead.py $BIG --batch-sizes 1,4,16,64,256 \
+  --variants plain,capture --repeats ${BIG_REPEATS:-3} --json "$OUT/capture_overhead_8b.json" \
   > "$OUT/capture_overhead_8b.log" 2>&1
 grep "round\|^ *[0-9]" "$OUT/capture_overhead_8b.log" | grep -v "^(Engine" | tail -40
 el "8B prefill"
