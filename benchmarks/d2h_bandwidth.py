@@ -7,6 +7,12 @@ a shared-memory mapping page-locked with ``cudaHostRegister`` (what the shm tran
 worker copies rows straight into it), and ordinary pageable memory. Capture has to move
 ``tokens/s x layers x hidden x bytes`` through this copy; if the registered pool is much slower than the
 baseline, the copy (not the engine) caps capture throughput at large batch sizes.
+
+It then asks whether a record's copy holds up the engine's own small device-to-host copies (vLLM copies each
+step's sampled token ids to the host on a stream of its own and waits for them before the step's output):
+the time until an 8-byte copy on a second stream has landed, alone and queued just after one record-sized copy
+on the first stream (into the registered mapping, as the worker does). If the small copy waits for the big
+one, a record of N MiB delays the output of its step by its whole copy time.
 """
 
 from __future__ import annotations
@@ -14,10 +20,14 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # layertap, run from anywhere
 
 
 def rate(dst: torch.Tensor, src: torch.Tensor, copies: int, non_blocking: bool) -> float:
@@ -31,6 +41,40 @@ def rate(dst: torch.Tensor, src: torch.Tensor, copies: int, non_blocking: bool) 
             dst.copy_(src, non_blocking=non_blocking)
         stream.synchronize()
     return copies * src.numel() * src.element_size() / (time.perf_counter() - t0) / 1e9
+
+
+def head_of_line(dst: torch.Tensor, src: torch.Tensor, reps: int = 20) -> dict[str, float]:
+    """Median microseconds until an 8-byte copy on its own stream has landed: alone, and queued right after
+    the big ``src -> dst`` copy on another stream; and the big copy alone."""
+    import statistics
+
+    big_s, small_s = torch.cuda.Stream(), torch.cuda.Stream()
+    tiny = torch.zeros(8, dtype=torch.uint8, device=src.device)
+    tiny_host = torch.empty(8, dtype=torch.uint8, pin_memory=True)
+    out: dict[str, list[float]] = {"small alone": [], "small after big": [], "big alone": []}
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(small_s):
+            tiny_host.copy_(tiny, non_blocking=True)
+        small_s.synchronize()
+        out["small alone"].append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(big_s):
+            dst.copy_(src, non_blocking=True)
+        big_s.synchronize()
+        out["big alone"].append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(big_s):
+            dst.copy_(src, non_blocking=True)
+        with torch.cuda.stream(small_s):
+            tiny_host.copy_(tiny, non_blocking=True)
+        small_s.synchronize()
+        out["small after big"].append(time.perf_counter() - t0)
+        big_s.synchronize()
+    return {k: statistics.median(v) * 1e6 for k, v in out.items()}
 
 
 def main() -> None:
@@ -56,6 +100,7 @@ def main() -> None:
         err = register_host(region)
         if err is None:
             results["shm mapping + cudaHostRegister"] = rate(region, src, args.copies, True)
+            hol = head_of_line(region, src)
             unregister_host(region)
         else:
             print(f"cudaHostRegister failed: {err}")
@@ -72,6 +117,10 @@ def main() -> None:
     print(f"device-to-host, {args.mb} MiB per copy, {torch.cuda.get_device_name()}")
     for k, v in results.items():
         print(f"  {k:<34} {v:7.1f} GB/s  ratio {v / base:5.2f}")
+    if err is None:
+        print(f"  an 8-byte copy on its own stream, us (median of 20): alone {hol['small alone']:.0f}, queued just "
+              f"after a {args.mb} MiB copy into the registered mapping {hol['small after big']:.0f} (that copy alone: "
+              f"{hol['big alone']:.0f})")
     tok = 4 * 2048 * 2
     print(f"  (a token of 4 layers x 2048 x bf16 is {tok} bytes: the registered pool carries "
           f"{results.get('shm mapping + cudaHostRegister', 0) * 1e9 / tok / 1e3:,.0f}K tokens/s)")

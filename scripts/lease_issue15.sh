@@ -1,26 +1,25 @@
 #!/usr/bin/env bash
 # The next GPU lease for issue 15, as one script (scripts/gpu_bg.sh start 'bash scripts/lease_issue15.sh'; see
-# benchmarks/RESULTS.md for the call chain that brings vLLM and the serve wheels). In order of what it must
-# settle, each step writing under $OUT before the next starts, so a lease cut short still answers the first:
-#   1. Where the engine's time goes between steps. The 2026-12-05 H100 lease's torch-profiler trace at 16 in
-#      flight put capture's GPU kernels within 1% of plain's (2.81 / 2.78 ms per request) and its gap in the
-#      engine *outside* its steps (1.97 / 0.69 ms per request; floor 0.80, capture-raw 1.49): py-spy over
-#      every process (idle samples kept) of plain, floor and capture at 4 in flight (the worst) names the
-#      functions (scheduler, output path, connector, waiting for input) that hold that time.
-#      Before it (PRE, no vLLM): which of the step thread's CUDA calls let go of the GIL, and what getting it back
-#      costs beside a busy thread (benchmarks/gil_release_cost.py; on the CPU a whole-buffer sha256 took 4 ms
-#      there, and the scheduler's per-record digest now keeps the GIL).
-#   2. Small model, 1-16 in flight, six paired rounds (plain, floor, capture; --stats).
-#   3. Serving the 8B shape, 2 rounds and the HF check of served records on the GPU.
-#   4. Prefill of the 8B shape at every batch size.
-# About 3 (machine, vLLM) + 5 + 7 + 7 + 6 min of device time. The call chain (a fresh machine; parts from
+# benchmarks/RESULTS.md for the call chain that brings vLLM and the serve wheels). LEASE_STEPS picks and orders
+# the steps; each writes under $OUT before the next starts, so a lease cut short still answers the first. The
+# default order is what is most open after the second lease of 2026-12-05:
+#   PRE (no vLLM; in the start call): the models, and d2h_bandwidth --mb 32: the registered pool's bandwidth
+#      and whether an 8-byte copy on another stream (vLLM's sampled ids) waits behind a 32 MiB record copy.
+#   trace8b: the 8B shape at 1 in flight, where capture's engine time per request was 32.7 against 24.0 ms
+#      (0.80) while 16-256 in flight met the goal: a torch-profiler trace of each engine, GPU kernels and the
+#      time between steps, plus two rounds at 1 and 4 in flight.
+#   serve: serving the 8B shape (SERVE_ROUNDS, 2) and the HF check of 8 served records on the GPU.
+#   small: the 2048 x 16 model at 1-16 in flight, six paired rounds (plain, floor, capture; --stats).
+#   big: prefill of the 8B shape at 1-256 in flight (BIG_REPEATS, 3).
+#   profile: py-spy over every process of plain, floor and capture at 4 in flight, and the diffs.
+# About 4 (machine, vLLM) + 4 + 7 + 7 + 7 min of device time. The call chain (a fresh machine; parts from
 # ../shared/gpu/build-vllm-bundle.sh .gpubundle, part00 split: split -b 45M -d -a 2 part00 p00_, so each call
 # carries under 64 MiB with the ~10 MB tree; py-spy: pip download py-spy into .gpubundle (the manylinux1
 # wheel); serve wheels: bash scripts/build-serve-wheels.sh). Keep the calls back to back: a machine idle for
 # 30 s is given back, and with it every result not yet copied out (the 2026-12-05 lease lost steps 2-4 so).
-#   1 (carry .gpubundle/p00_00 .gpubundle/py_spy-*.whl): mkdir -p $HOME/vllm-bundle && mv .gpubundle/p00_00
-#       $HOME/vllm-bundle/ && PRE='bash scripts/gpu_check.sh models && python3 benchmarks/gil_release_cost.py |
-#       tee $OUT/gil_release_cost.txt' bash scripts/gpu_bg.sh start
+#   1 (carry .gpubundle/p00_00, and the py-spy wheel where LEASE_STEPS has profile): mkdir -p $HOME/vllm-bundle && mv .gpubundle/p00_00
+#       $HOME/vllm-bundle/ && PRE='bash scripts/gpu_check.sh models && python3 benchmarks/d2h_bandwidth.py --mb 32
+#       --copies 16 | tee $OUT/d2h.txt' bash scripts/gpu_bg.sh start
 #       'bash scripts/lease_issue15.sh' && bash scripts/gpu_bg.sh wait 5
 #   2 (carry .gpubundle/{p00_01,part01,SHA256SUMS,install-on-device.sh}): cd $HOME/vllm-bundle && cat p00_00
 #       $OLDPWD/.gpubundle/p00_01 > part00 && rm p00_00 && cd $OLDPWD && mv .gpubundle/part01 .gpubundle/SHA256SUMS
@@ -30,7 +29,7 @@
 #   Each wait returns everything written so far as bg_out.tgz (plus the newest top-level files).
 set -u
 T0=$(date +%s); el() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
-# LEASE_STEPS picks and orders the steps (a lease with less device time left runs fewer): profile small serve big
+# LEASE_STEPS (see above): a lease with less device time left runs fewer
 steps=${LEASE_STEPS:-trace8b serve small big}
 big_env() {
   source "$HOME/vllm-site/env.sh"
