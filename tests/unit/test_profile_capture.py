@@ -58,3 +58,23 @@ def test_counts_and_diff_in_ms_per_request(tmp_path: Path) -> None:
     assert "VLLM::EngineCore | MainThread" in out and "100.00 -> 125.00" in out.splitlines()[0]
     with pytest.raises(ValueError, match="no request rate"):
         pc.requests_per_s([], 1024)
+
+
+def test_diff_leaves_out_how_each_run_was_started(tmp_path: Path) -> None:
+    """A forked engine core against a spawned one: their entry frames sit on every sample of one run and are
+    absent from the other; they say nothing about where time moved and must not crowd out what does."""
+    plain = _raw(tmp_path, "plain.txt", 100, "plain",
+                 {"popen_fork (fork.py:1);schedule (sched.py:3)": 10, "popen_fork (fork.py:1);step (core.py:20)": 90},
+                 {"drive (bench.py:1);get (queue.py:1)": 100})
+    capture = _raw(tmp_path, "capture.txt", 200, "capture",
+                   {"spawn_main (spawn.py:1);schedule (sched.py:3)": 30, "spawn_main (spawn.py:1);step (core.py:20)": 70},
+                   {"tap_loop (tap.py:1);get (queue.py:1)": 100})
+    side = lambda v, path: {"variant": v, "inflight": 4, "requests_per_s": 10.0, "threads": pc.counts(path)}
+    out = pc.diff(side("plain", plain), side("capture", capture))
+    rows = {ln.split(None, 3)[3]: [float(x) for x in ln.split(None, 3)[:3]] for ln in out.splitlines()
+            if ln.startswith("    ")}
+    assert rows["schedule (sched.py)"] == pytest.approx([10.0, 30.0, 20.0])
+    assert rows["step (core.py)"] == pytest.approx([90.0, 70.0, -20.0])
+    for entry in ("popen_fork (fork.py)", "spawn_main (spawn.py)", "drive (bench.py)", "tap_loop (tap.py)",
+                  "get (queue.py)", "run_busy_loop (core.py)"):
+        assert entry not in rows
