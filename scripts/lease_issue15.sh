@@ -12,7 +12,7 @@
 #   small: the 2048 x 16 model at 1-16 in flight, six paired rounds (plain, floor, capture; --stats).
 #   big: prefill of the 8B shape at 1-256 in flight (BIG_REPEATS, 3).
 #   profile: py-spy over every process of plain, floor and capture at 4 in flight, and the diffs.
-# About 4 (machine, vLLM) + 4 + 7 + 7 + 7 min of device time. The call chain (a fresh machine; parts from
+# About 4 (machine, vLLM) + 5 (trace8b: two 8B engines start in ~170 s) + 7 + 7 + 7 min of device time. The call chain (a fresh machine; parts from
 # ../shared/gpu/build-vllm-bundle.sh .gpubundle, part00 split: split -b 45M -d -a 2 part00 p00_, so each call
 # carries under 64 MiB with the ~10 MB tree; py-spy: pip download py-spy into .gpubundle (the manylinux1
 # wheel); serve wheels: bash scripts/build-serve-wheels.sh). Keep the calls back to back: a machine idle for
@@ -40,7 +40,7 @@ BIG="--hidden 4096 --num-layers 32 --head-dim 128 --vocab 2048 --prompts 256 --p
 trace8b() {  # the 8B shape at 1 in flight (2026-12-05: engine time per request 32.7 / 24.0 ms, capture / plain,
   # while 4-256 in flight were 0.94-0.99): a torch-profiler trace of each engine names what fills those 8 ms
   ( big_env
-    timeout 300 python3 benchmarks/capture_overhead.py $BIG --batch-sizes 1,4 --variants plain,capture --repeats 2 \
+    timeout 400 python3 benchmarks/capture_overhead.py $BIG --prompts 128 --batch-sizes 1,4 --variants plain,capture --repeats 2 \
       --profile-dir /tmp/lt-prof8b --profile-inflight 1 --json "$OUT/trace8b.json" > "$OUT/trace8b.log" 2>&1
     grep "round\|^ *[0-9]\|profiled" "$OUT/trace8b.log" | grep -v "^(Engine" | tail -30
     mkdir -p "$OUT/trace8b" && cp /tmp/lt-prof8b/*/*.summary.json "$OUT/trace8b/"
