@@ -43,38 +43,38 @@ def rate(dst: torch.Tensor, src: torch.Tensor, copies: int, non_blocking: bool) 
     return copies * src.numel() * src.element_size() / (time.perf_counter() - t0) / 1e9
 
 
-def head_of_line(dst: torch.Tensor, src: torch.Tensor, reps: int = 20) -> dict[str, float]:
+def _until_landed(wait: torch.cuda.Stream, *copies: tuple[torch.cuda.Stream, torch.Tensor, torch.Tensor]) -> float:
+    """Seconds from queueing ``copies`` (stream, dst, src; in this order, on an idle device) until ``wait``
+    has run them; the device is idle again on return."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for stream, dst, src in copies:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+    wait.synchronize()
+    dt = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return dt
+
+
+HOL_REPS = 20
+
+
+def head_of_line(dst: torch.Tensor, src: torch.Tensor) -> dict[str, float]:
     """Median microseconds until an 8-byte copy on its own stream has landed: alone, and queued right after
     the big ``src -> dst`` copy on another stream; and the big copy alone."""
     import statistics
 
     big_s, small_s = torch.cuda.Stream(), torch.cuda.Stream()
-    tiny = torch.zeros(8, dtype=torch.uint8, device=src.device)
+    big = (big_s, dst, src)
     tiny_host = torch.empty(8, dtype=torch.uint8, pin_memory=True)
-    out: dict[str, list[float]] = {"small alone": [], "small after big": [], "big alone": []}
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.cuda.stream(small_s):
-            tiny_host.copy_(tiny, non_blocking=True)
-        small_s.synchronize()
-        out["small alone"].append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.cuda.stream(big_s):
-            dst.copy_(src, non_blocking=True)
-        big_s.synchronize()
-        out["big alone"].append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.cuda.stream(big_s):
-            dst.copy_(src, non_blocking=True)
-        with torch.cuda.stream(small_s):
-            tiny_host.copy_(tiny, non_blocking=True)
-        small_s.synchronize()
-        out["small after big"].append(time.perf_counter() - t0)
-        big_s.synchronize()
-    return {k: statistics.median(v) * 1e6 for k, v in out.items()}
+    small = (small_s, tiny_host, torch.zeros(8, dtype=torch.uint8, device=src.device))
+    cases = {"small alone": (small_s, small), "big alone": (big_s, big), "small after big": (small_s, big, small)}
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(HOL_REPS):
+        for k, (wait, *copies) in cases.items():
+            times[k].append(_until_landed(wait, *copies))
+    return {k: statistics.median(v) * 1e6 for k, v in times.items()}
 
 
 def main() -> None:
@@ -118,7 +118,7 @@ def main() -> None:
     for k, v in results.items():
         print(f"  {k:<34} {v:7.1f} GB/s  ratio {v / base:5.2f}")
     if err is None:
-        print(f"  an 8-byte copy on its own stream, us (median of 20): alone {hol['small alone']:.0f}, queued just "
+        print(f"  an 8-byte copy on its own stream, us (median of {HOL_REPS}): alone {hol['small alone']:.0f}, queued just "
               f"after a {args.mb} MiB copy into the registered mapping {hol['small after big']:.0f} (that copy alone: "
               f"{hol['big alone']:.0f})")
     tok = 4 * 2048 * 2

@@ -77,10 +77,10 @@ SERVE_ROUNDS=${SERVE_ROUNDS:-2} SERVE_DEADLINE=${SERVE_DEADLINE:-400} SERVE_VARI
 el "serve"
 }
 big() {
-big_env
-timeout ${BIG_TIMEOUT:-420} python3 benchmarks/capture_overhead.py $BIG --batch-sizes 1,4,16,64,256 \
-  --variants plain,capture --repeats ${BIG_REPEATS:-3} --json "$OUT/capture_overhead_8b.json" \
-  > "$OUT/capture_overhead_8b.log" 2>&1
+( big_env  # in a subshell, as in trace8b: the steps after it keep their own environment
+  timeout ${BIG_TIMEOUT:-420} python3 benchmarks/capture_overhead.py $BIG --batch-sizes 1,4,16,64,256 \
+    --variants plain,capture --repeats ${BIG_REPEATS:-3} --json "$OUT/capture_overhead_8b.json" \
+    > "$OUT/capture_overhead_8b.log" 2>&1 )
 grep "round\|^ *[0-9]" "$OUT/capture_overhead_8b.log" | grep -v "^(Engine" | tail -40
 el "8B prefill"
 }
