@@ -13,7 +13,9 @@ once they explain nothing more, with where their answer stands: ``floor-hashed``
 0.94 of the floor's throughput at 256 in flight, RESULTS 2026-12-04 evening; the skip is the default and warns
 by name at start-up where it did not take; ``capture-torch``, the torch record path, measured against the lean one on 2026-12-03/04;
 ``capture-piecewise``, PIECEWISE graphs, which prefill runs either way: ``serve_overhead.py`` keeps it):
-    plain              vLLM as users run it (its default scheduling)
+    plain              vLLM as users run it (its default scheduling; the engine core forked from the driver)
+    plain-spawn        plain with its engine core spawned, as every capture engine's is (``launch.engine_env``):
+                       plain-spawn / plain is what the start method alone costs
     floor              the hook capture engine + the layertap connector, reading no rows (the cost of the
                        model writing its rows into the capture layer)
     floor-gather       floor, plus each record's rows gathered on the device as ``capture`` gathers them (the
@@ -288,11 +290,19 @@ def gen_params(args):
 class Plain:
     """vLLM as users run it, driven request by request through ``LLMEngine``."""
 
-    def __init__(self, model, data, args, **extra):
+    def __init__(self, model, data, args, spawn: bool = False, **extra):
+        import contextlib
+
         from vllm import LLM
 
+        from layertap.engine import launch
+
         self.data = data
-        self.llm = LLM(model=str(model), **engine_kwargs(args), **extra)
+        # spawn (variant plain-spawn): the engine core spawned, as capture engines are (launch.engine_env);
+        # plain vLLM forks it from this process, which has not touched CUDA
+        env = launch.engine_env_set({launch.MP_METHOD_ENV: "spawn"}) if spawn else contextlib.nullcontext()
+        with env:
+            self.llm = LLM(model=str(model), **engine_kwargs(args), **extra)
         sp = gen_params(args)  # with --max-tokens 1, as the Tap's prompt mode
         self.params_for = lambda i: sp
 
@@ -463,6 +473,7 @@ def profiler_kwargs(args, variant: str) -> dict:
 
 VARIANTS = {
     "plain": lambda m, d, a: Plain(m, d, a, **profiler_kwargs(a, "plain")),
+    "plain-spawn": lambda m, d, a: Plain(m, d, a, spawn=True, **profiler_kwargs(a, "plain-spawn")),
     "floor": lambda m, d, a: Floor(m, d, a, **profiler_kwargs(a, "floor")),
     "floor-gather": lambda m, d, a: Floor(m, d, a, gather=True, **profiler_kwargs(a, "floor-gather")),
     "capture": lambda m, d, a: Capture(m, d, a, **profiler_kwargs(a, "capture")),

@@ -6,10 +6,11 @@
 #   PRE (no vLLM; in the start call): the models, and d2h_bandwidth --mb 32: the registered pool's bandwidth
 #      and whether an 8-byte copy on another stream (vLLM's sampled ids) waits behind a 32 MiB record copy.
 #   trace8b: the 8B shape at 1 in flight, where capture's engine time per request was 32.7 against 24.0 ms
-#      (0.80) while 16-256 in flight met the goal: a torch-profiler trace of each engine, GPU kernels and the
-#      time between steps, plus two rounds at 1 and 4 in flight.
+#      (0.80) while 16-256 in flight met the goal: three rounds at 1 and 4 in flight of plain, plain-spawn (the
+#      start method alone), floor (the capture engine, no rows read) and capture, then a torch-profiler trace
+#      of each engine at 1 in flight (GPU kernels, the time between steps).
 #   serve: serving the 8B shape (SERVE_ROUNDS, 2) and the HF check of 8 served records on the GPU.
-#   small: the 2048 x 16 model at 1-16 in flight, six paired rounds (plain, floor, capture; --stats).
+#   small: the 2048 x 16 model at 1-16 in flight, six paired rounds (plain, plain-spawn, floor, capture; --stats).
 #   big: prefill of the 8B shape at 1-256 in flight (BIG_REPEATS, 3).
 #   profile: py-spy over every process of plain, floor and capture at 4 in flight, and the diffs.
 # About 4 (machine, vLLM) + 5 (trace8b: two 8B engines start in ~170 s) + 7 + 7 + 7 min of device time. The call chain (a fresh machine; parts from
@@ -30,7 +31,7 @@
 set -u
 T0=$(date +%s); el() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
 # LEASE_STEPS (see above): a lease with less device time left runs fewer
-steps=${LEASE_STEPS:-trace8b serve small big}
+steps=${LEASE_STEPS:-trace8b serve small}
 big_env() {
   source "$HOME/vllm-site/env.sh"
   export PYTHONPATH=$PWD:$PYTHONPATH LAYERTAP_CACHE=/tmp/layertap-cache VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
@@ -40,11 +41,14 @@ BIG="--hidden 4096 --num-layers 32 --head-dim 128 --vocab 2048 --prompts 256 --p
 trace8b() {  # the 8B shape at 1 in flight (2026-12-05: engine time per request 32.7 / 24.0 ms, capture / plain,
   # while 4-256 in flight were 0.94-0.99): a torch-profiler trace of each engine names what fills those 8 ms
   ( big_env
-    timeout 400 python3 benchmarks/capture_overhead.py $BIG --prompts 128 --batch-sizes 1,4 --variants plain,capture --repeats 2 \
+    # plain-spawn: plain with a spawned engine core (capture's are spawned, plain vLLM forks); floor: the capture
+    # engine reading no rows. Four 8B engines at 0.2 of the GPU each (12.4 GB of weights), ~85 s to start each.
+    timeout ${TRACE_TIMEOUT:-660} python3 benchmarks/capture_overhead.py $BIG --prompts 128 --batch-sizes 1,4 \
+      --variants plain,plain-spawn,floor,capture --gpu-mem 0.2 --repeats 3 \
       --profile-dir /tmp/lt-prof8b --profile-inflight 1 --json "$OUT/trace8b.json" > "$OUT/trace8b.log" 2>&1
     grep "round\|^ *[0-9]\|profiled" "$OUT/trace8b.log" | grep -v "^(Engine" | tail -30
     mkdir -p "$OUT/trace8b" && cp /tmp/lt-prof8b/*/*.summary.json "$OUT/trace8b/"
-    for t in /tmp/lt-prof8b/{plain,capture}/*inflight1*.json.gz; do
+    for t in /tmp/lt-prof8b/{plain,plain-spawn,floor,capture}/*inflight1*.json.gz; do
       [ -f "$t" ] && [ "$(stat -c %s "$t")" -lt 15000000 ] && cp "$t" "$OUT/trace8b/"
     done )
   el "8B trace at 1 in flight"
@@ -64,7 +68,7 @@ el "py-spy profiles"
 }
 small() {
 SKIP_TRAIN_BENCH=1 SKIP_PROFILE=1 BENCH_REPEATS=6 BENCH_BATCH_SIZES=1,4,16 \
-  BENCH_VARIANTS=plain,floor,capture BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats" \
+  BENCH_VARIANTS=plain,plain-spawn,floor,capture BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats" \
   bash scripts/gpu_check.sh bench
 mkdir -p "$OUT/small" && mv "$OUT"/capture_overhead.* "$OUT/small/"
 el "small prefill"
