@@ -14,8 +14,10 @@ once they explain nothing more, with where their answer stands: ``floor-hashed``
 by name at start-up where it did not take; ``capture-torch``, the torch record path, measured against the lean one on 2026-12-03/04;
 ``capture-piecewise``, PIECEWISE graphs, which prefill runs either way: ``serve_overhead.py`` keeps it):
     plain              vLLM as users run it (its default scheduling; the engine core forked from the driver)
-    plain-spawn        plain with its engine core spawned, as every capture engine's is (``launch.engine_env``):
-                       plain-spawn / plain is what the start method alone costs
+    plain-spawn        plain with its engine core spawned, as every capture engine's is (``launch.engine_env``).
+                       The same work as plain, so plain-spawn / plain is an A/A control: how far two engines
+                       drift apart on the host with no change of work (H100, 2026-12-05: 0.89-1.23 across
+                       rounds at 1-4 in flight; spawning itself cost nothing: medians 1.04-1.16)
     floor              the hook capture engine + the layertap connector, reading no rows (the cost of the
                        model writing its rows into the capture layer)
     floor-gather       floor, plus each record's rows gathered on the device as ``capture`` gathers them (the
@@ -50,6 +52,7 @@ import argparse
 import collections
 import gc
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -74,6 +77,48 @@ def build_model(args) -> Path:
         return build_tiny_model(default_cache_dir() / f"bench-{spec_hash(spec)}-cuda-{args.dtype}", spec,
                                 device="cuda", save_dtype=args.dtype)
     return build_tiny_model(default_cache_dir() / f"bench-{spec_hash(spec)}", spec)
+
+
+def cpu_list(text: str) -> list[int]:
+    """CPU ids from a Linux cpulist (``0-7,16-23``)."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        a, _, b = part.partition("-")
+        if not a.isdigit() or (b and not b.isdigit()):
+            raise ValueError(f"bad CPU list {text!r}: expected ids and ranges such as 0-7,16")
+        out.extend(range(int(a), int(b or a) + 1))
+    return out
+
+
+def numa_nodes(root: str = "/sys/devices/system/node") -> dict[int, list[int]]:
+    """The CPUs of each NUMA node of this host, from sysfs ({} where it has no node directories)."""
+    nodes = {}
+    for d in sorted(Path(root).glob("node[0-9]*")):
+        f = d / "cpulist"
+        if f.exists():
+            nodes[int(d.name[4:])] = cpu_list(f.read_text())
+    return nodes
+
+
+def resolve_cpus(spec: str, root: str = "/sys/devices/system/node") -> list[int]:
+    """``--cpus``: ``node:N`` (the CPUs of NUMA node N) or a cpulist (``0-7,16``)."""
+    if spec.startswith("node:"):
+        nodes = numa_nodes(root)
+        n = spec[5:]
+        if not n.isdigit() or int(n) not in nodes:
+            raise SystemExit(f"--cpus {spec}: this host's NUMA nodes are {sorted(nodes) or 'not listed in ' + root}")
+        return nodes[int(n)]
+    try:
+        return cpu_list(spec)
+    except ValueError as e:
+        raise SystemExit(f"--cpus: {e}") from None
+
+
+def host_line() -> str:
+    """The host's NUMA layout and the CPUs this process may run on (engines inherit them)."""
+    nodes = numa_nodes()
+    where = "; ".join(f"node {k}: {len(v)} CPUs ({v[0]}-{v[-1]})" for k, v in nodes.items()) or "no NUMA nodes listed"
+    return f"host: {os.cpu_count()} CPUs, {where}; this run may use {len(os.sched_getaffinity(0))} CPUs"
 
 
 def prompts(args) -> list[list[int]]:
@@ -650,6 +695,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="in-flight targets to profile at (default 1,4)")
     ap.add_argument("--profile-requests", type=int, default=None,
                     help="requests per profiled run (default max(16, 4 x in flight); fewer for long decodes)")
+    ap.add_argument("--cpus", default=None,
+                    help="run the driver and every engine on these CPUs: node:N (NUMA node N's) or a list such as "
+                         "0-7,16 (default: all; the host's NUMA layout is printed either way)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: "V1,V2:RESULT.json"
     args = ap.parse_args(argv)
     n = args.num_layers
@@ -673,6 +721,9 @@ def main() -> None:
         vs, path = args.child.split(":", 1)
         Path(path).write_text(json.dumps(measure(vs.split(","), model, data, args)))
         return
+    if args.cpus:  # every engine process and thread started from here inherits the affinity
+        os.sched_setaffinity(0, resolve_cpus(args.cpus))
+    print(host_line(), flush=True)
     # Engines run in child processes (on the H200 an engine started in the same process after a closed
     # capture engine hung at start-up), so this process never holds an engine.
     groups = [[v] for v in args.variants] if args.separate else [list(args.variants)]
@@ -749,7 +800,7 @@ def main() -> None:
                     print(f"\nGPU kernels, plain -> {name.split('@')[0]} ({k} in flight):")
                     print(trace_summary.kernel_diff(got[base], got[name]))
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": dev, "args": vars(args), "rows": rows, "hf": hf,
+        Path(args.json).write_text(json.dumps({"device": dev, "host": host_line(), "args": vars(args), "rows": rows, "hf": hf,
                                                "timeline": timeline, "profiles": profiles}, indent=1))
 
 

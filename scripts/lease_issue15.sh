@@ -2,18 +2,19 @@
 # The next GPU lease for issue 15, as one script (scripts/gpu_bg.sh start 'bash scripts/lease_issue15.sh'; see
 # benchmarks/RESULTS.md for the call chain that brings vLLM and the serve wheels). LEASE_STEPS picks and orders
 # the steps; each writes under $OUT before the next starts, so a lease cut short still answers the first. The
-# default order is what is most open after the second lease of 2026-12-05:
+# default order (pinned small big) is what is most open after the third lease of 2026-12-05 (RESULTS.md):
 #   PRE (no vLLM; in the start call): the models, and d2h_bandwidth --mb 32: the registered pool's bandwidth
-#      and whether an 8-byte copy on another stream (vLLM's sampled ids) waits behind a 32 MiB record copy.
-#   trace8b: the 8B shape at 1 in flight, where capture's engine time per request was 32.7 against 24.0 ms
-#      (0.80) while 16-256 in flight met the goal: three rounds at 1 and 4 in flight of plain, plain-spawn (the
-#      start method alone), floor (the capture engine, no rows read) and capture, then a torch-profiler trace
-#      of each engine at 1 in flight (GPU kernels, the time between steps).
-#   serve: serving the 8B shape (SERVE_ROUNDS, 2) and the HF check of 8 served records on the GPU.
+#      and whether an 8-byte copy on another stream (vLLM's sampled ids) waits behind a 32 MiB record copy
+#      (2026-12-05: 54.3 GB/s; yes, 642 us behind one).
+#   pinned: small, with the driver and every engine on one NUMA node's CPUs (PIN_CPUS, node:0): whether the
+#      A/A control's drift (plain-spawn / plain, 0.89-1.23 unpinned on 2026-12-05) is the CPUs' placement.
 #   small: the 2048 x 16 model at 1-16 in flight, six paired rounds (plain, plain-spawn, floor, capture; --stats).
 #   big: prefill of the 8B shape at 1-256 in flight (BIG_REPEATS, 3).
+#   trace8b: the 8B shape at 1 and 4 in flight, plain, plain-spawn (the A/A control), floor and capture, three
+#      rounds, then a torch-profiler trace of each engine at 1 in flight (2026-12-05: 1.01, no extra kernel time).
+#   serve: serving the 8B shape (SERVE_ROUNDS, 2) and the HF check of 8 served records on the GPU.
 #   profile: py-spy over every process of plain, floor and capture at 4 in flight, and the diffs.
-# About 4 (machine, vLLM) + 5 (trace8b: two 8B engines start in ~170 s) + 7 + 7 + 7 min of device time. The call chain (a fresh machine; parts from
+# About 4 (machine, vLLM) + 7 (pinned) + 7 (small) + 7 (big) min of device time; trace8b takes 7, serve 7. The call chain (a fresh machine; parts from
 # ../shared/gpu/build-vllm-bundle.sh .gpubundle, part00 split: split -b 45M -d -a 2 part00 p00_, so each call
 # carries under 64 MiB with the ~10 MB tree; py-spy: pip download py-spy into .gpubundle (the manylinux1
 # wheel); serve wheels: bash scripts/build-serve-wheels.sh). Keep the calls back to back: a machine idle for
@@ -31,7 +32,7 @@
 set -u
 T0=$(date +%s); el() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
 # LEASE_STEPS (see above): a lease with less device time left runs fewer
-steps=${LEASE_STEPS:-trace8b serve small}
+steps=${LEASE_STEPS:-pinned small big}
 big_env() {
   source "$HOME/vllm-site/env.sh"
   export PYTHONPATH=$PWD:$PYTHONPATH LAYERTAP_CACHE=/tmp/layertap-cache VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
@@ -65,6 +66,14 @@ for n in 4; do  # where capture's extra time per request goes, by thread and fun
   done
 done 2>&1 | tee "$OUT/pyspy_diffs.txt"
 el "py-spy profiles"
+}
+pinned() {  # the small model with the driver and every engine on one NUMA node's CPUs (--cpus): does the A/A
+  # control (plain-spawn / plain) stop drifting? 2026-12-05 unpinned: 0.89-1.23 across rounds at 1-4 in flight
+SKIP_TRAIN_BENCH=1 SKIP_PROFILE=1 BENCH_REPEATS=6 BENCH_BATCH_SIZES=1,4,16 \
+  BENCH_VARIANTS=plain,plain-spawn,floor,capture BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats --cpus ${PIN_CPUS:-node:0}" \
+  bash scripts/gpu_check.sh bench
+mkdir -p "$OUT/pinned" && mv "$OUT"/capture_overhead.* "$OUT/pinned/"
+el "small prefill, pinned"
 }
 small() {
 SKIP_TRAIN_BENCH=1 SKIP_PROFILE=1 BENCH_REPEATS=6 BENCH_BATCH_SIZES=1,4,16 \
