@@ -9,12 +9,12 @@
 #   pinned: small, with the driver and every engine on one NUMA node's CPUs (PIN_CPUS, node:0): whether the
 #      A/A control's drift (plain-spawn / plain, 0.89-1.23 unpinned on 2026-12-05) is the CPUs' placement.
 #   small: the 2048 x 16 model at 1-16 in flight, six paired rounds (plain, plain-spawn, floor, capture; --stats).
-#   big: prefill of the 8B shape at 1-256 in flight (BIG_REPEATS, 3).
+#   big: prefill of the 8B shape at 1-256 in flight (BIG_REPEATS, 3), with the A/A control (BIG_VARIANTS).
 #   trace8b: the 8B shape at 1 and 4 in flight, plain, plain-spawn (the A/A control), floor and capture, three
 #      rounds, then a torch-profiler trace of each engine at 1 in flight (2026-12-05: 1.01, no extra kernel time).
 #   serve: serving the 8B shape (SERVE_ROUNDS, 2) and the HF check of 8 served records on the GPU.
 #   profile: py-spy over every process of plain, floor and capture at 4 in flight, and the diffs.
-# About 4 (machine, vLLM) + 7 (pinned) + 7 (small) + 7 (big) min of device time; trace8b takes 7, serve 7. The call chain (a fresh machine; parts from
+# About 4 (machine, vLLM) + 7 (pinned) + 7 (small) + 10 (big, three 8B engines) min of device time; trace8b takes 7, serve 7. The call chain (a fresh machine; parts from
 # ../shared/gpu/build-vllm-bundle.sh .gpubundle, part00 split: split -b 45M -d -a 2 part00 p00_, so each call
 # carries under 64 MiB with the ~10 MB tree; py-spy: pip download py-spy into .gpubundle (the manylinux1
 # wheel); serve wheels: bash scripts/build-serve-wheels.sh). Keep the calls back to back: a machine idle for
@@ -91,8 +91,8 @@ el "serve"
 }
 big() {
 ( big_env  # in a subshell, as in trace8b: the steps after it keep their own environment
-  timeout ${BIG_TIMEOUT:-420} python3 benchmarks/capture_overhead.py $BIG --batch-sizes 1,4,16,64,256 \
-    --variants plain,capture --repeats ${BIG_REPEATS:-3} --json "$OUT/capture_overhead_8b.json" \
+  timeout ${BIG_TIMEOUT:-620} python3 benchmarks/capture_overhead.py $BIG --batch-sizes 1,4,16,64,256 \
+    --variants ${BIG_VARIANTS:-plain,plain-spawn,capture} --repeats ${BIG_REPEATS:-3} --json "$OUT/capture_overhead_8b.json" \
     > "$OUT/capture_overhead_8b.log" 2>&1 )
 grep "round\|^ *[0-9]" "$OUT/capture_overhead_8b.log" | grep -v "^(Engine" | tail -40
 el "8B prefill"
