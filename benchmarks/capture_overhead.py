@@ -250,11 +250,18 @@ class Timeline:
         self.turnaround: list[float] = []
         self.last_done: float | None = None
         self.phases: dict[str, list[float]] = {k: [] for k in self.PHASES}
+        self.calls: list[tuple[float, float, float]] = []  # per measured call: (head, tail, its whole time)
 
-    def segment(self) -> None:
-        """Close the events measured so far as one segment (the engine idles until the next one starts)."""
+    def segment(self, call: tuple[float, float] | None = None) -> None:
+        """Close the events measured so far as one segment (the engine idles until the next one starts).
+        ``call``: (start, end) of the ``rate`` call that made them (time.monotonic), so its time outside the
+        requests is kept: from its start to the first ``add_request`` (head) and from the last finished
+        request to its return (tail; for capture, the last records' landing and proof)."""
         if self.events:
             self.segments.append(self.events)
+            if call is not None:
+                first, last = min(t for t, _ in self.events), max(t for t, _ in self.events)
+                self.calls.append((first - call[0], call[1] - last, call[1] - call[0]))
         self.events = []
         self.last_done = None  # a turnaround spans no other engine's run
 
@@ -278,6 +285,10 @@ class Timeline:
                "per_output": statistics.median(self.per_output)}
         if self.turnaround:
             out["turnaround_ms"] = 1e3 * statistics.median(self.turnaround)
+        if self.calls:  # the calls' time outside any request's span: a share of all their time, and per call
+            heads, tails, whole = zip(*self.calls)
+            out["outside"] = (sum(heads) + sum(tails)) / sum(whole)
+            out["head_ms"], out["tail_ms"] = 1e3 * statistics.fmean(heads), 1e3 * statistics.fmean(tails)
         for k, v in self.phases.items():
             if v:  # late: a mean (most outputs wait not at all; a median would hide the ones that do)
                 out[f"{k}_ms"] = 1e3 * (statistics.fmean(v) if k == "late" else statistics.median(v))
@@ -585,9 +596,10 @@ def measure(variants: list[str], model, data, args) -> dict[str, dict]:
                 for i, part in enumerate(parts):  # each piece on every engine back to back, order rotating
                     j = i % len(order)
                     for v in order[j:] + order[:j]:
+                        t_call = time.monotonic()
                         rates[v].append(runners[v].rate(b, part))
                         spent[v] += sum(map(len, part)) / rates[v][-1]
-                        timelines[v].segment()
+                        timelines[v].segment((t_call, time.monotonic()))
                 for v in order:
                     out[v][b].append(sum(map(len, data)) / spent[v])
                     pieces[v][b].append(rates[v])
@@ -602,7 +614,9 @@ def measure(variants: list[str], model, data, args) -> dict[str, dict]:
                              f"{tl['per_output']:.0f} per output"
                              + "".join(f", {p} {tl[p + '_ms']:.2f}" for p in ("turnaround", *Timeline.PHASES)
                                        if p + "_ms" in tl)
-                             + (f", {tl['deferrals']} deferrals" if "deferrals" in tl else "") + ")" if tl else ""),
+                             + (f", {tl['deferrals']} deferrals" if "deferrals" in tl else "")
+                             + (f", outside requests {100 * tl['outside']:.1f}% (head {tl['head_ms']:.2f} / tail "
+                                f"{tl['tail_ms']:.2f} ms a call)" if "outside" in tl else "") + ")" if tl else ""),
                           flush=True)
         profiles = profile_engines(runners, data, args) if args.profile_dir else {}
         return {"rates": out, "pieces": pieces, "timeline": seen, "profiles": profiles}
@@ -828,6 +842,20 @@ def print_timeline(timeline: dict[str, dict[int, list[dict]]], args) -> None:
             line += (f" {med['occupancy']:>8.2f} {med['latency_ms']:>9.1f} {med['latency_mean_ms']:>7.1f} "
                      f"{med['per_output']:>7.1f}")
         print(line)
+    if any("outside" in t for by_b in timeline.values() for tls in by_b.values() for t in tls if t):
+        print("\ntime outside any request, median over rounds: share of the variant's measured time / head / tail "
+              "ms a call (head: call to first admission; tail: last finished request to return, for capture the "
+              "last records' landing and proof)")
+        print(f"{'in-flight':>9}" + "".join(f" {v:>34}" for v in args.variants))
+        for b in args.batch_sizes:
+            line = f"{b:>9}"
+            for v in args.variants:
+                tls = [t for t in timeline.get(v, {}).get(b, []) if t and "outside" in t]
+                line += (f" {'-':>34}" if not tls else
+                         f" {100 * statistics.median(t['outside'] for t in tls):>15.1f}% "
+                         f"{statistics.median(t['head_ms'] for t in tls):>8.2f} "
+                         f"{statistics.median(t['tail_ms'] for t in tls):>8.2f}")
+            print(line)
     keys = [k for k in ("turnaround", *Timeline.PHASES)
             if any(f"{k}_ms" in t for by_b in timeline.values() for tls in by_b.values() for t in tls if t)]
     if not keys:

@@ -43,3 +43,47 @@ def test_bad_specs_are_refused_by_name(tmp_path):
 def test_host_line_names_the_cpus_this_run_may_use():
     line = co.host_line()
     assert line.startswith(f"host: {os.cpu_count()} CPUs") and f"may use {len(os.sched_getaffinity(0))} CPUs" in line
+
+
+class _Out:
+    def __init__(self, rid: str):
+        self.request_id, self.finished, self.metrics = rid, True, None
+
+
+class _Engine:
+    """The two calls the Timeline wraps; ``step`` finishes every request added since the last one."""
+
+    def __init__(self):
+        self.waiting: list[str] = []
+
+    def add_request(self, rid, *a, **k):
+        self.waiting.append(rid)
+
+    def step(self):
+        done, self.waiting = self.waiting, []
+        return [_Out(r) for r in done]
+
+
+def test_timeline_keeps_each_calls_time_outside_its_requests():
+    import time
+
+    eng = _Engine()
+    tl = co.Timeline(eng)
+    for _ in range(2):  # two calls: 5 ms before the first admission, 5 ms after the last finish
+        t0 = time.monotonic()
+        time.sleep(0.005)
+        eng.add_request("a")
+        time.sleep(0.002)
+        eng.step()
+        time.sleep(0.005)
+        tl.segment((t0, time.monotonic()))
+    out = tl.summary(1)
+    assert out["head_ms"] >= 5 and out["tail_ms"] >= 5
+    assert 0 < out["outside"] < 1 and out["occupancy"] > 0.99
+    tl.reset()
+    eng.add_request("b")
+    time.sleep(0.002)
+    eng.step()
+    tl.segment()  # a segment closed without its call's times: requests measured, nothing said of outside
+    out = tl.summary(1)
+    assert out["occupancy"] > 0.99 and "outside" not in out
