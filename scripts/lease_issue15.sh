@@ -9,6 +9,8 @@
 #   pinned: small, with the driver and every engine on one NUMA node's CPUs (PIN_CPUS, node:0): whether the
 #      A/A control's drift (plain-spawn / plain, 0.89-1.23 unpinned on 2026-12-05) is the CPUs' placement.
 #   small: the 2048 x 16 model at 1-16 in flight, six paired rounds (plain, plain-spawn, floor, capture; --stats).
+#      Both small steps now print each variant's time outside its requests per call (2026-12-05: capture's
+#      Little's-law shortfall was 3-11%, ~8-33 ms a 32-64-prompt call, where the CPU box spends ~1 ms).
 #   big: prefill of the 8B shape at 1-256 in flight (BIG_REPEATS, 3), with the A/A control (BIG_VARIANTS).
 #   trace8b: the 8B shape at 1 and 4 in flight, plain, plain-spawn (the A/A control), floor and capture, three
 #      rounds, then a torch-profiler trace of each engine at 1 in flight (2026-12-05: 1.01, no extra kernel time).
