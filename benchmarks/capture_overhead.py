@@ -737,7 +737,8 @@ def main() -> None:
         return
     if args.cpus:  # every engine process and thread started from here inherits the affinity
         os.sched_setaffinity(0, resolve_cpus(args.cpus))
-    print(host_line(), flush=True)
+    host = host_line()
+    print(host, flush=True)
     # Engines run in child processes (on the H200 an engine started in the same process after a closed
     # capture engine hung at start-up), so this process never holds an engine.
     groups = [[v] for v in args.variants] if args.separate else [list(args.variants)]
@@ -814,7 +815,7 @@ def main() -> None:
                     print(f"\nGPU kernels, plain -> {name.split('@')[0]} ({k} in flight):")
                     print(trace_summary.kernel_diff(got[base], got[name]))
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": dev, "host": host_line(), "args": vars(args), "rows": rows, "hf": hf,
+        Path(args.json).write_text(json.dumps({"device": dev, "host": host, "args": vars(args), "rows": rows, "hf": hf,
                                                "timeline": timeline, "profiles": profiles}, indent=1))
 
 

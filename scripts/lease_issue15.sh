@@ -41,8 +41,8 @@ big_env() {
 }
 BIG="--hidden 4096 --num-layers 32 --head-dim 128 --vocab 2048 --prompts 256 --prompt-len 1024 --dtype bfloat16
   --transport shm --slot-mb 33 --no-hf --gpu-build --stats"
-trace8b() {  # the 8B shape at 1 in flight (2026-12-05: engine time per request 32.7 / 24.0 ms, capture / plain,
-  # while 4-256 in flight were 0.94-0.99): a torch-profiler trace of each engine names what fills those 8 ms
+trace8b() {  # the 8B shape at 1 and 4 in flight with the A/A control, and a torch-profiler trace of each engine
+  # at 1 in flight (2026-12-05, second lease: capture 0.80 there; third: 1.01, no extra kernel time)
   ( big_env
     # plain-spawn: plain with a spawned engine core (capture's are spawned, plain vLLM forks); floor: the capture
     # engine reading no rows. Four 8B engines at 0.2 of the GPU each (12.4 GB of weights), ~85 s to start each.
@@ -69,19 +69,20 @@ for n in 4; do  # where capture's extra time per request goes, by thread and fun
 done 2>&1 | tee "$OUT/pyspy_diffs.txt"
 el "py-spy profiles"
 }
-pinned() {  # the small model with the driver and every engine on one NUMA node's CPUs (--cpus): does the A/A
-  # control (plain-spawn / plain) stop drifting? 2026-12-05 unpinned: 0.89-1.23 across rounds at 1-4 in flight
+small_bench() {  # the 2048 x 16 model at 1-16 in flight, six paired rounds, into $OUT/$1; $2: more flags
 SKIP_TRAIN_BENCH=1 SKIP_PROFILE=1 BENCH_REPEATS=6 BENCH_BATCH_SIZES=1,4,16 \
-  BENCH_VARIANTS=plain,plain-spawn,floor,capture BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats --cpus ${PIN_CPUS:-node:0}" \
+  BENCH_VARIANTS=plain,plain-spawn,floor,capture BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats $2" \
   bash scripts/gpu_check.sh bench
-mkdir -p "$OUT/pinned" && mv "$OUT"/capture_overhead.* "$OUT/pinned/"
+mkdir -p "$OUT/$1" && mv "$OUT"/capture_overhead.* "$OUT/$1/"
+}
+pinned() {  # the small model with the driver and every engine on one NUMA node's CPUs (--cpus): does the A/A
+  # control (plain-spawn / plain) stop drifting? 2026-12-05 unpinned: 0.89-1.23 across rounds at 1-4 in flight.
+  # On a host of one NUMA node node:0 is every CPU (the run's host line says so): set PIN_CPUS to a list then.
+small_bench pinned "--cpus ${PIN_CPUS:-node:0}"
 el "small prefill, pinned"
 }
 small() {
-SKIP_TRAIN_BENCH=1 SKIP_PROFILE=1 BENCH_REPEATS=6 BENCH_BATCH_SIZES=1,4,16 \
-  BENCH_VARIANTS=plain,plain-spawn,floor,capture BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats" \
-  bash scripts/gpu_check.sh bench
-mkdir -p "$OUT/small" && mv "$OUT"/capture_overhead.* "$OUT/small/"
+small_bench small ""
 el "small prefill"
 }
 serve() {

@@ -1,5 +1,6 @@
-"""benchmarks/capture_overhead.py --cpus: CPU lists and NUMA nodes read as Linux writes them (a sysfs tree
-made here), bad specs refused by name, and the host line every run prints."""
+"""benchmarks/capture_overhead.py without an engine: --cpus (CPU lists and NUMA nodes read as Linux writes them,
+from a sysfs tree made here; bad specs refused by name), the host line every run prints, and the Timeline's
+time outside a call's requests."""
 
 import os
 import sys
