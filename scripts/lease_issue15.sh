@@ -2,13 +2,15 @@
 # The next GPU lease for issue 15, as one script (scripts/gpu_bg.sh start 'bash scripts/lease_issue15.sh'; see
 # benchmarks/RESULTS.md for the call chain that brings vLLM and the serve wheels). LEASE_STEPS picks and orders
 # the steps; each writes under $OUT before the next starts, so a lease cut short still answers the first. The
-# default order (pinned small big) is what is most open after the third lease of 2026-12-05 (RESULTS.md):
+# default order (small big pinned) is what is most open after the third lease of 2026-12-05 (RESULTS.md) and
+# the doorbell fix of the fourth session (device commits now ring the consumer once per group):
 #   PRE (no vLLM; in the start call): the models, and d2h_bandwidth --mb 32: the registered pool's bandwidth
 #      and whether an 8-byte copy on another stream (vLLM's sampled ids) waits behind a 32 MiB record copy
 #      (2026-12-05: 54.3 GB/s; yes, 642 us behind one).
 #   pinned: small, with the driver and every engine on one NUMA node's CPUs (PIN_CPUS, node:0): whether the
 #      A/A control's drift (plain-spawn / plain, 0.89-1.23 unpinned on 2026-12-05) is the CPUs' placement.
-#   small: the 2048 x 16 model at 1-16 in flight, six paired rounds (plain, plain-spawn, floor, capture; --stats).
+#   small: the 2048 x 16 model at 1-256 in flight (SMALL_BATCH_SIZES), six paired rounds (plain, plain-spawn,
+#      floor, capture; --stats); 64 and 256 cost little (one piece per round there).
 #      Both small steps now print each variant's time outside its requests per call (2026-12-05: capture's
 #      Little's-law shortfall was 3-11%, ~8-33 ms a 32-64-prompt call, where the CPU box spends ~1 ms).
 #   big: prefill of the 8B shape at 1-256 in flight (BIG_REPEATS, 3), with the A/A control (BIG_VARIANTS).
@@ -16,7 +18,7 @@
 #      rounds, then a torch-profiler trace of each engine at 1 in flight (2026-12-05: 1.01, no extra kernel time).
 #   serve: serving the 8B shape (SERVE_ROUNDS, 2) and the HF check of 8 served records on the GPU.
 #   profile: py-spy over every process of plain, floor and capture at 4 in flight, and the diffs.
-# About 4 (machine, vLLM) + 7 (pinned) + 7 (small) + 10 (big, three 8B engines) min of device time; trace8b takes 7, serve 7. The call chain (a fresh machine; parts from
+# About 4 (machine, vLLM) + 8 (small) + 10 (big, three 8B engines) + 7 (pinned) min of device time; trace8b takes 7, serve 7. The call chain (a fresh machine; parts from
 # ../shared/gpu/build-vllm-bundle.sh .gpubundle, part00 split: split -b 45M -d -a 2 part00 p00_, so each call
 # carries under 64 MiB with the ~10 MB tree; py-spy: pip download py-spy into .gpubundle (the manylinux1
 # wheel); serve wheels: bash scripts/build-serve-wheels.sh). Keep the calls back to back: a machine idle for
@@ -34,7 +36,7 @@
 set -u
 T0=$(date +%s); el() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
 # LEASE_STEPS (see above): a lease with less device time left runs fewer
-steps=${LEASE_STEPS:-pinned small big}
+steps=${LEASE_STEPS:-small big pinned}
 big_env() {
   source "$HOME/vllm-site/env.sh"
   export PYTHONPATH=$PWD:$PYTHONPATH LAYERTAP_CACHE=/tmp/layertap-cache VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
@@ -69,8 +71,8 @@ for n in 4; do  # where capture's extra time per request goes, by thread and fun
 done 2>&1 | tee "$OUT/pyspy_diffs.txt"
 el "py-spy profiles"
 }
-small_bench() {  # the 2048 x 16 model at 1-16 in flight, six paired rounds, into $OUT/$1; $2: more flags
-SKIP_TRAIN_BENCH=1 SKIP_PROFILE=1 BENCH_REPEATS=6 BENCH_BATCH_SIZES=1,4,16 \
+small_bench() {  # the 2048 x 16 model, six paired rounds, into $OUT/$1; $2: more flags
+SKIP_TRAIN_BENCH=1 SKIP_PROFILE=1 BENCH_REPEATS=6 BENCH_BATCH_SIZES=${SMALL_BATCH_SIZES:-1,4,16,64,256} \
   BENCH_VARIANTS=plain,plain-spawn,floor,capture BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats $2" \
   bash scripts/gpu_check.sh bench
 mkdir -p "$OUT/$1" && mv "$OUT"/capture_overhead.* "$OUT/$1/"
@@ -78,7 +80,7 @@ mkdir -p "$OUT/$1" && mv "$OUT"/capture_overhead.* "$OUT/$1/"
 pinned() {  # the small model with the driver and every engine on one NUMA node's CPUs (--cpus): does the A/A
   # control (plain-spawn / plain) stop drifting? 2026-12-05 unpinned: 0.89-1.23 across rounds at 1-4 in flight.
   # On a host of one NUMA node node:0 is every CPU (the run's host line says so): set PIN_CPUS to a list then.
-small_bench pinned "--cpus ${PIN_CPUS:-node:0}"
+SMALL_BATCH_SIZES=${PIN_BATCH_SIZES:-1,4,16} small_bench pinned "--cpus ${PIN_CPUS:-node:0}"
 el "small prefill, pinned"
 }
 small() {

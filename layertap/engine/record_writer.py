@@ -471,6 +471,7 @@ class WorkerSide:
             _abort(reservations[queued:])
             self._unstage(nbytes)
             raise
+        self.sink.wake_consumer()  # one ring for the group: a consumer already waiting looks at once
         with self.staging:
             self.inflight.append((done, nbytes))  # staged bytes stay counted until the copies ran
         self._lap("copies", t)
@@ -498,6 +499,7 @@ class WorkerSide:
                                commits=[res.commit_target for res in reservations], commit_word=self.commit_word)
         for res in reservations:
             res.handed_to_device()
+        self.sink.wake_consumer()  # one ring for the group: a consumer already waiting looks at once
         rows.record_stream(self.copy_stream)
         with self.staging:
             self.inflight.append((done, nbytes))  # staged bytes stay counted until the copies ran

@@ -161,7 +161,8 @@ class ShmSink(Sink):
 
         ``device_commit``: the record becomes visible when ``commit_word()`` lands in the reservation's
         ``commit_target`` (a view of its slot's state word), copied there by the device after the payload;
-        the producer then calls ``handed_to_device()`` instead of ``commit()``.
+        the producer then calls ``handed_to_device()`` instead of ``commit()``, and ``wake_consumer()`` once
+        for the batch.
 
         ``views=False``: no tensors (``tensors`` and ``commit_target`` stay empty); the producer writes
         through the byte offsets in ``offsets`` (each field's start in the mapping that ``data_region``
@@ -206,6 +207,14 @@ class ShmSink(Sink):
             raise
         return ShmReservation(self, key, head, span, total, tensors, target, offsets=offsets,
                               state_at=self.pool.state_offset(head), device_commit=device_commit)
+
+    def wake_consumer(self) -> None:
+        """Ring the consumer once after handing records to the device (``handed_to_device``). A consumer that
+        was already waiting when they were claimed sees no pending device commit and sleeps its longest wait
+        (``_MAX_WAIT``) before it looks again: the last records of a ``Tap.capture`` call landed, then waited
+        up to 50 ms to be noticed. Rung, it rescans and watches their state words closely. One ring covers
+        any number of records: a producer rings once per batch it queued, not per record."""
+        self.bell.ring(sp.consumer_bell(self.name))
 
     def data_region(self) -> torch.Tensor:
         """The whole pool mapping (header, tables, slots) as one uint8 tensor, for registering it with a
@@ -396,8 +405,9 @@ class ShmSource(Source):
                 self._check_writers()
             if now >= deadline:
                 return []
-            # Sinks ring on every CPU commit; a device commit rings nobody, so while one is pending the
-            # wait is short (the copy lands within a millisecond of the engine's step).
+            # Sinks ring on every CPU commit, and once per batch of device commits when they are queued
+            # (wake_consumer); their landing rings nobody, so while one is pending the wait is short (the
+            # copy lands within a millisecond of the engine's step).
             self.bell.wait(min(_DEVICE_WAIT if self._pending else _MAX_WAIT, deadline - now))
 
     def free_capacity(self) -> int:

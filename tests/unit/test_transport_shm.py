@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import sys
 import time
@@ -263,14 +264,18 @@ def _tell(proc, line: str) -> None:
 def test_device_commit_is_invisible_until_its_word_lands_then_delivered_without_a_ring(how):
     """The CUDA path's commit (shm_pool docstring): the writer process takes the sequence number when it
     reserves and never commits on the CPU; the record appears when its slot's state word lands, in any
-    order, and the consumer notices without a doorbell ring. ``raw``: the reservation is byte offsets into
-    the mapping (the lean record path's ``views=False``), every byte written through them. A checksum pool
-    refuses device commits."""
+    order, and the consumer notices without a doorbell ring. The one ring comes when the batch is handed to
+    the device (``wake_consumer``): a consumer already waiting when the records were claimed saw nothing
+    pending and would sleep its longest wait after they landed (up to 50 ms at the end of every
+    ``Tap.capture`` call on CUDA). ``raw``: the reservation is byte offsets into the mapping (the lean record
+    path's ``views=False``), every byte written through them. A checksum pool refuses device commits."""
     cfg = SHM.prepare({"slot_bytes": 64 << 10, "num_slots": 4, "checksum": "none"})
     src = SHM.make_source(cfg)
+    assert src.poll(0.0) == []  # looked once: nothing pending to watch
     prod = spawn("device-reserve", "shm", json.dumps(cfg), "cuda-worker", "3", how)
     try:
         assert read_line(prod) == "reserved"
+        assert select.select([src.bell.sock], [], [], 10.0)[0], "handing records to the device rang no bell"
         assert src.poll(0.2) == []  # reserved, payload written, but no word landed: nothing to deliver
         assert src.free_capacity() == 1
         _tell(prod, "land 2")

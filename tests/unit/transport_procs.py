@@ -156,6 +156,7 @@ def _device_reserve(name: str, cfg: dict[str, Any], writer: str, count: int, raw
             target = res.commit_target
         res.handed_to_device()
         pending.append(target)
+    sink.wake_consumer()  # once for the batch, as the engine does after queuing a group's copies
     print("reserved", flush=True)
     for line in sys.stdin:
         cmd, *arg = line.split()
