@@ -361,9 +361,13 @@ class Tap:
                 # An in-process engine core steps only when called: the step that passes the last finished
                 # requests to the connector's save (generate mode) would otherwise never run.
                 self.step()
-            # Wait for records only when there is nothing else to do: no request running and none to admit
-            # (else a record in flight would hold up the next request's admission).
-            idle = not running and not (queue and self._can_admit(running, len(expect)))
+            # Wait for records only when there is nothing else to do: no request running, none to admit
+            # (else a record in flight would hold up the next request's admission) and no record in hand
+            # to hand out. A record can land before its request's finished output reaches this process (on
+            # CUDA a prompt's record is copied out in its own forward step): waiting for more first cost
+            # the full wait, 50 ms, at the end of every call (H100, 2026-12-05).
+            idle = not running and not (queue and self._can_admit(running, len(expect))) \
+                and not any(k in expect for k in early)
             hurry = output_waiting if running else None
             deferred = hurry is not None and hurry() and any(k in expect for k in early)
             if not deferred:

@@ -93,6 +93,59 @@ def test_records_wait_while_engine_output_does_and_all_are_proven(tap, model):
     assert_all_match(recs, model)
 
 
+def test_a_record_in_hand_is_handed_out_without_waiting_for_more(tap, model):
+    """A request's record can land before its finished output reaches the driver (on CUDA a prompt's record
+    is copied out in its own forward step). Once the output comes, the Tap hands that record out at once: it
+    does not first wait for more records (it did: the full wait, 50 ms, at the end of every capture call on
+    the H100, 2026-12-05). Forced here: each step result that finishes requests is held back until their
+    records are committed in the pool, and an empty result goes first, so the Tap takes the records before
+    it learns their requests finished. No wait may then come back empty."""
+    import time
+
+    real_step, real_poll = tap.step, tap.source.poll
+    pool = tap.source.pool
+    held: list = []
+    committed = pool.commit_seq()  # one sequence number per committed record (CPU commits)
+    empty_waits: list[float] = []
+
+    def step():
+        nonlocal committed
+        if held:
+            outs = list(held)
+            held.clear()
+            return outs
+        outs = real_step()
+        done = sum(1 for o in outs if o.finished)
+        if not done:
+            return outs
+        committed += done
+        deadline = time.monotonic() + 60
+        while pool.commit_seq() < committed:
+            assert time.monotonic() < deadline, f"{done} finished requests' records never committed"
+            time.sleep(0.005)
+        held.extend(outs)
+        return []
+
+    def poll(timeout: float = 0.0):
+        recs = real_poll(timeout)
+        if timeout > 0 and not recs:
+            empty_waits.append(timeout)
+        return recs
+
+    inputs = random_prompts(6, [30, 70], seed=5)
+    tap.step, tap.source.poll = step, poll
+    tap.max_inflight = 1
+    try:
+        recs = list(tap.capture(inputs))
+    finally:
+        del tap.step, tap.source.poll
+        tap.max_inflight = None
+    assert sorted(r.index for r in recs) == list(range(6))
+    assert not held
+    assert empty_waits == [], f"the Tap waited for records {len(empty_waits)} times with its record in hand"
+    assert_all_match(recs, model)
+
+
 def test_prefix_caching_hits_are_captured_right(tap, model):
     prefixes = random_prompts(3, [260], seed=2)
     suffixes = random_prompts(30, [5, 40, 90], seed=3)
