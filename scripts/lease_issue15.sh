@@ -73,8 +73,8 @@ el "py-spy profiles"
 }
 small_bench() {  # the 2048 x 16 model, six paired rounds, into $OUT/$1; $2: more flags. SMALL_SKIP_PROFILE=
 # (set, empty): a torch-profiler trace of every engine after the rounds, at PROFILE_INFLIGHT (gpu_check.sh)
-SKIP_TRAIN_BENCH=1 SKIP_PROFILE=${SMALL_SKIP_PROFILE-1} BENCH_REPEATS=6 BENCH_BATCH_SIZES=${SMALL_BATCH_SIZES:-1,4,16,64,256} \
-  BENCH_VARIANTS=plain,plain-spawn,floor,capture BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats $2" \
+SKIP_TRAIN_BENCH=1 SKIP_PROFILE=${SMALL_SKIP_PROFILE-1} BENCH_REPEATS=${SMALL_REPEATS:-6} \
+  BENCH_BATCH_SIZES=${SMALL_BATCH_SIZES:-1,4,16,64,256} BENCH_VARIANTS=${SMALL_VARIANTS:-plain,plain-spawn,floor,capture} BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats $2" \
   bash scripts/gpu_check.sh bench
 mkdir -p "$OUT/$1" && mv "$OUT"/capture_overhead.* "$OUT/$1/"
 }
