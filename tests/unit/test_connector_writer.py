@@ -100,7 +100,8 @@ def test_cuda_record_path_times_its_phases(monkeypatch):
     w.error, w.released, w.inflight, w.rank0, w.on_cuda, w.skip_reads = None, set(), [], True, True, False
     w.lean, w.gather_only = False, False  # the torch record path (tests/gpu/test_lean_path.py runs the lean one)
     w.busy_s, w.calls, w.saved, w.phase_s = 0.0, 0, 0, dict.fromkeys(rw.PHASES, 0.0)
-    w.writer, w.pinned_region, w.sink = None, None, NS(close=lambda: None)
+    rings = []
+    w.writer, w.pinned_region, w.sink = None, None, NS(close=lambda: None, wake_consumer=lambda: rings.append(1))
     made = []
     w._reserve = lambda job, device: made.append(_DevRes()) or made[-1]
     import numpy as np
@@ -109,6 +110,7 @@ def test_cuda_record_path_times_its_phases(monkeypatch):
     assert w.finished(LayertapMetadata(saves=saves)) == {"r0", "r1", "r2"}
     assert w.finished(LayertapMetadata()) is None
     assert all(r.handed for r in made) and len(made) == 3 and w.saved == 3
+    assert len(rings) == 1  # the consumer is rung once for the group handed to the device, not per record
     assert all(v >= 0 for v in w.phase_s.values()) and w.phase_s["reserve"] > 0
     assert sum(w.phase_s.values()) <= w.busy_s
     lines = []
