@@ -211,9 +211,10 @@ class ShmSink(Sink):
     def wake_consumer(self) -> None:
         """Ring the consumer once after handing records to the device (``handed_to_device``). A consumer that
         was already waiting when they were claimed sees no pending device commit and sleeps its longest wait
-        (``_MAX_WAIT``) before it looks again: the last records of a ``Tap.capture`` call landed, then waited
-        up to 50 ms to be noticed. Rung, it rescans and watches their state words closely. One ring covers
-        any number of records: a producer rings once per batch it queued, not per record."""
+        (``_MAX_WAIT``, 50 ms) before it looks again, however soon they land: e.g. generate-mode records,
+        saved after their requests finished, while the Tap or a trainer waits for them. Rung, it rescans and
+        watches their state words closely. One ring covers any number of records: a producer rings once per
+        batch it queued, not per record."""
         self.bell.ring(sp.consumer_bell(self.name))
 
     def data_region(self) -> torch.Tensor:
