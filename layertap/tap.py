@@ -366,10 +366,10 @@ class Tap:
             # to hand out. A record can land before its request's finished output reaches this process (on
             # CUDA a prompt's record is copied out in its own forward step): waiting for more first cost
             # the full wait, 50 ms, at the end of every call (H100, 2026-12-05).
-            idle = not running and not (queue and self._can_admit(running, len(expect))) \
-                and not any(k in expect for k in early)
+            in_hand = any(k in expect for k in early)  # a record due whose request has finished
+            idle = not running and not in_hand and not (queue and self._can_admit(running, len(expect)))
             hurry = output_waiting if running else None
-            deferred = hurry is not None and hurry() and any(k in expect for k in early)
+            deferred = hurry is not None and in_hand and hurry()
             if not deferred:
                 for rec in self.source.poll(timeout=0.05 if idle else 0.0):
                     if rec.meta.get("run") != self.run:
