@@ -370,7 +370,12 @@ class Tap:
             idle = not running and not in_hand and not (queue and self._can_admit(running, len(expect)))
             hurry = output_waiting if running else None
             deferred = hurry is not None and in_hand and hurry()
-            if not deferred:
+            # Records are taken off the pool only where one can be due: a finished request awaits its record,
+            # or nothing runs. One that lands while its request still runs (on CUDA a prompt's record is copied
+            # out in its own forward step, before its finished output reaches this process) stays in the pool
+            # until its request finished: taking it earlier is driver work in the way of the engine's next
+            # output (H100, 2026-12-06: that output waited 0.20 ms a request in this process at 1 in flight).
+            if not deferred and (expect or not running):
                 for rec in self.source.poll(timeout=0.05 if idle else 0.0):
                     if rec.meta.get("run") != self.run:
                         raise CaptureError(f"record {rec.key} (index {rec.index}) belongs to another run")

@@ -146,6 +146,63 @@ def test_a_record_in_hand_is_handed_out_without_waiting_for_more(tap, model):
     assert_all_match(recs, model)
 
 
+def test_records_of_running_requests_stay_in_the_pool_until_their_requests_finish(tap, model):
+    """The Tap takes records off the pool only where one can be due (a finished request awaits its record) or
+    nothing runs. A record that lands while its request still runs (on CUDA a prompt's record lands in its own
+    forward step, before the finished output reaches the driver) stays in the pool until the output came:
+    taking it earlier is driver work in the way of the engine's next output. Forced as in the test above: each
+    step result that finishes requests is held back until their records are committed and an empty result
+    goes first; no poll may come while every finished request's record is already taken."""
+    import time
+
+    real_step, real_poll = tap.step, tap.source.poll
+    pool = tap.source.pool
+    held: list = []
+    committed = pool.commit_seq()
+    seen = taken = 0  # finished outputs handed to the Tap / records the Tap took off the pool
+    early_polls: list[tuple[int, int]] = []
+
+    def step():
+        nonlocal committed, seen
+        if held:
+            outs = list(held)
+            held.clear()
+            seen += sum(1 for o in outs if o.finished)
+            return outs
+        outs = real_step()
+        done = sum(1 for o in outs if o.finished)
+        if not done:
+            return outs
+        committed += done
+        deadline = time.monotonic() + 60
+        while pool.commit_seq() < committed:
+            assert time.monotonic() < deadline, f"{done} finished requests' records never committed"
+            time.sleep(0.005)
+        held.extend(outs)
+        return []
+
+    def poll(timeout: float = 0.0):
+        nonlocal taken
+        if seen == taken:  # no finished request awaits a record; one runs (max_inflight 1, a roomy pool)
+            early_polls.append((seen, taken))
+        recs = real_poll(timeout)
+        taken += len(recs)
+        return recs
+
+    inputs = random_prompts(5, [30, 70], seed=7)
+    tap.step, tap.source.poll = step, poll
+    tap.max_inflight = 1
+    try:
+        recs = list(tap.capture(inputs))
+    finally:
+        del tap.step, tap.source.poll
+        tap.max_inflight = None
+    assert sorted(r.index for r in recs) == list(range(5))
+    assert not held and seen == taken == 5
+    assert early_polls == [], f"the Tap took records off the pool {len(early_polls)} times with none due"
+    assert_all_match(recs, model)
+
+
 def test_prefix_caching_hits_are_captured_right(tap, model):
     prefixes = random_prompts(3, [260], seed=2)
     suffixes = random_prompts(30, [5, 40, 90], seed=3)
