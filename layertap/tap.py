@@ -117,6 +117,10 @@ class Tap:
         round). False (a benchmark aid, ``capture_overhead.py`` capture-eager): every committed record first."""
         self.deferrals = 0
         """Rounds in which records waited for an engine output (``defer_records``), over the Tap's life."""
+        self.records_early = False
+        """A benchmark aid (``capture_overhead.py`` capture-early): take committed records off the pool on every
+        round, also while their requests still run (the Tap's way before 2026-12-06). False: only where one can be
+        due, or nothing runs (``_loop``)."""
         self.run = uuid.uuid4().hex[:8]
         on_cuda = torch.cuda.is_available()
         if os.environ.get("LAYERTAP_ALLOW_KNOWN_BUGS") != "1":
@@ -375,7 +379,7 @@ class Tap:
             # out in its own forward step, before its finished output reaches this process) stays in the pool
             # until its request finished: taking it earlier is driver work in the way of the engine's next
             # output (H100, 2026-12-06: that output waited 0.20 ms a request in this process at 1 in flight).
-            if not deferred and (expect or not running):
+            if not deferred and (expect or not running or self.records_early):
                 for rec in self.source.poll(timeout=0.05 if idle else 0.0):
                     if rec.meta.get("run") != self.run:
                         raise CaptureError(f"record {rec.key} (index {rec.index}) belongs to another run")

@@ -6,7 +6,8 @@
 # goal at every size (0.99, every round >= 0.98); the small model did not at 1-16 in flight (0.92 / 0.88 / 0.95),
 # where the driver was late to the engine's outputs and capture's requests reached the engine core 1.8 ms later
 # at 4 in flight. The Tap now leaves records of running requests in the pool (e9dbf40): does `late` fall, and
-# do the ratios rise? (pinned: the H100 hosts seen so far have one NUMA node, so it shows nothing there.)
+# do the ratios rise? The variant capture-early (the Tap's old way) is beside it in every round, so one run
+# answers it as a pair. (pinned: the H100 hosts seen so far have one NUMA node, so it shows nothing there.)
 #   PRE (no vLLM; in the start call): the models, and d2h_bandwidth --mb 32: the registered pool's bandwidth
 #      and whether an 8-byte copy on another stream (vLLM's sampled ids) waits behind a 32 MiB record copy
 #      (2026-12-05: 54.3 GB/s; yes, 642 us behind one).
@@ -77,7 +78,7 @@ el "py-spy profiles"
 small_bench() {  # the 2048 x 16 model, six paired rounds, into $OUT/$1; $2: more flags. SMALL_SKIP_PROFILE=
 # (set, empty): a torch-profiler trace of every engine after the rounds, at PROFILE_INFLIGHT (gpu_check.sh)
 SKIP_TRAIN_BENCH=1 SKIP_PROFILE=${SMALL_SKIP_PROFILE-1} BENCH_REPEATS=${SMALL_REPEATS:-6} \
-  BENCH_BATCH_SIZES=${SMALL_BATCH_SIZES:-1,4,16,64,256} BENCH_VARIANTS=${SMALL_VARIANTS:-plain,plain-spawn,floor,capture} BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats $2" \
+  BENCH_BATCH_SIZES=${SMALL_BATCH_SIZES:-1,4,16,64,256} BENCH_VARIANTS=${SMALL_VARIANTS:-plain,plain-spawn,floor,capture,capture-early} BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats $2" \
   bash scripts/gpu_check.sh bench
 mkdir -p "$OUT/$1" && mv "$OUT"/capture_overhead.* "$OUT/$1/"
 }
