@@ -93,6 +93,39 @@ def test_records_wait_while_engine_output_does_and_all_are_proven(tap, model):
     assert_all_match(recs, model)
 
 
+class _OutputsAfterRecords:
+    """Stands in for ``tap.step`` and forces the order CUDA gives: a request's record lands before its finished
+    output reaches the driver. Each step result that finishes requests is held back until their records are
+    committed in the pool, and an empty result goes first; the held result comes on the next call.
+    ``seen``: finished outputs handed to the Tap so far."""
+
+    def __init__(self, tap):
+        self.real, self.pool = tap.step, tap.source.pool
+        self.committed = self.pool.commit_seq()  # one sequence number per committed record (CPU commits)
+        self.held: list = []
+        self.seen = 0
+
+    def __call__(self):
+        import time
+
+        if self.held:
+            outs = list(self.held)
+            self.held.clear()
+            self.seen += sum(1 for o in outs if o.finished)
+            return outs
+        outs = self.real()
+        done = sum(1 for o in outs if o.finished)
+        if not done:
+            return outs
+        self.committed += done
+        deadline = time.monotonic() + 60
+        while self.pool.commit_seq() < self.committed:
+            assert time.monotonic() < deadline, f"{done} finished requests' records never committed"
+            time.sleep(0.005)
+        self.held.extend(outs)
+        return []
+
+
 def test_a_record_in_hand_is_handed_out_without_waiting_for_more(tap, model):
     """A request's record can land before its finished output reaches the driver (on CUDA a prompt's record
     is copied out in its own forward step). Once the output comes, the Tap hands that record out at once: it
@@ -100,31 +133,9 @@ def test_a_record_in_hand_is_handed_out_without_waiting_for_more(tap, model):
     the H100, 2026-12-05). Forced here: each step result that finishes requests is held back until their
     records are committed in the pool, and an empty result goes first, so the Tap takes the records before
     it learns their requests finished. No wait may then come back empty."""
-    import time
-
-    real_step, real_poll = tap.step, tap.source.poll
-    pool = tap.source.pool
-    held: list = []
-    committed = pool.commit_seq()  # one sequence number per committed record (CPU commits)
+    real_poll = tap.source.poll
+    step = _OutputsAfterRecords(tap)
     empty_waits: list[float] = []
-
-    def step():
-        nonlocal committed
-        if held:
-            outs = list(held)
-            held.clear()
-            return outs
-        outs = real_step()
-        done = sum(1 for o in outs if o.finished)
-        if not done:
-            return outs
-        committed += done
-        deadline = time.monotonic() + 60
-        while pool.commit_seq() < committed:
-            assert time.monotonic() < deadline, f"{done} finished requests' records never committed"
-            time.sleep(0.005)
-        held.extend(outs)
-        return []
 
     def poll(timeout: float = 0.0):
         recs = real_poll(timeout)
@@ -141,7 +152,7 @@ def test_a_record_in_hand_is_handed_out_without_waiting_for_more(tap, model):
         del tap.step, tap.source.poll
         tap.max_inflight = None
     assert sorted(r.index for r in recs) == list(range(6))
-    assert not held
+    assert not step.held
     assert empty_waits == [], f"the Tap waited for records {len(empty_waits)} times with its record in hand"
     assert_all_match(recs, model)
 
@@ -156,38 +167,15 @@ def test_records_of_running_requests_stay_in_the_pool_until_their_requests_finis
     goes first; no poll may come while every finished request's record is already taken. With the benchmark
     aid ``records_early`` (capture_overhead's capture-early) the Tap takes them on every round, as it did before:
     one such poll per request."""
-    import time
-
-    real_step, real_poll = tap.step, tap.source.poll
-    pool = tap.source.pool
-    held: list = []
-    committed = pool.commit_seq()
-    seen = taken = 0  # finished outputs handed to the Tap / records the Tap took off the pool
+    real_poll = tap.source.poll
+    step = _OutputsAfterRecords(tap)
+    taken = 0  # records the Tap took off the pool (step.seen: finished outputs handed to it)
     early_polls: list[tuple[int, int]] = []
-
-    def step():
-        nonlocal committed, seen
-        if held:
-            outs = list(held)
-            held.clear()
-            seen += sum(1 for o in outs if o.finished)
-            return outs
-        outs = real_step()
-        done = sum(1 for o in outs if o.finished)
-        if not done:
-            return outs
-        committed += done
-        deadline = time.monotonic() + 60
-        while pool.commit_seq() < committed:
-            assert time.monotonic() < deadline, f"{done} finished requests' records never committed"
-            time.sleep(0.005)
-        held.extend(outs)
-        return []
 
     def poll(timeout: float = 0.0):
         nonlocal taken
-        if seen == taken:  # no finished request awaits a record; one runs (max_inflight 1, a roomy pool)
-            early_polls.append((seen, taken))
+        if step.seen == taken:  # no finished request awaits a record; one runs (max_inflight 1, a roomy pool)
+            early_polls.append((step.seen, taken))
         recs = real_poll(timeout)
         taken += len(recs)
         return recs
@@ -201,7 +189,7 @@ def test_records_of_running_requests_stay_in_the_pool_until_their_requests_finis
         del tap.step, tap.source.poll
         tap.max_inflight, tap.records_early = None, False
     assert sorted(r.index for r in recs) == list(range(5))
-    assert not held and seen == taken == 5
+    assert not step.held and step.seen == taken == 5
     if records_early:
         assert len(early_polls) >= 5, f"records_early: {len(early_polls)} polls with none due, one per request expected"
     else:
