@@ -34,11 +34,13 @@ by name at start-up where it did not take; ``capture-torch``, the torch record p
                        engine step (Tap.defer_records=False); by default records wait while an engine output
                        does (at least one a round): capture / capture-eager is what that ordering buys, and
                        the ``late`` phase (--stats) shows the driver's delay in each
-    capture-early      capture with the Tap taking committed records off the pool on every round, also while
-                       their requests still run (Tap.records_early; its way before 2026-12-06, when a prompt's
-                       record, landing on CUDA before its finished output, kept the driver busy as that output
-                       came: ``late`` 0.20 ms a request at 1 in flight on the H100): capture / capture-early is
-                       what leaving them in the pool buys
+    capture-pollall    capture with the Tap taking every committed record off the pool in one poll while
+                       requests run (Tap.poll_all; its way until 2026-12-06, second session), where by default it
+                       takes them one at a time and an engine output that comes meanwhile goes first (H100,
+                       2026-12-06: at 4 in flight the driver was 0.3 ms later than plain's to the engine's outputs,
+                       and capture's requests took 2-11 ms from add_request to the engine core's queue, plain's
+                       0.8): capture / capture-pollall is what that buys. (capture-early, records taken also
+                       while their requests run, is gone: 0.89-0.97 against capture's 0.89-0.98, RESULTS)
     floor-extract      as floor, through vLLM's extract_hidden_states (capture_path="extract")
     capture-extract    capture through extract_hidden_states (synchronous scheduling on vLLM 0.25/CUDA)
 
@@ -429,7 +431,7 @@ def shm_slots(args) -> int:
 class Capture:
     """layertap capture through the Tap: every record is counted and its token digest proven."""
 
-    def __init__(self, model, data, args, defer_records: bool = True, records_early: bool = False, **extra):
+    def __init__(self, model, data, args, defer_records: bool = True, poll_all: bool = False, **extra):
         from layertap.tap import Tap
 
         self.inputs = [{"token_ids": ids} for ids in data]
@@ -443,7 +445,7 @@ class Capture:
                        out=args.out if args.transport == "file" else None, zero_copy=args.transport == "shm",
                        **engine_kwargs(args), **extra)
         self.tap.defer_records = defer_records
-        self.tap.records_early = records_early
+        self.tap.poll_all = poll_all
 
     def rate(self, inflight: int, data=None) -> float:
         inputs = self.inputs if data is None else [{"token_ids": ids} for ids in data]
@@ -541,7 +543,7 @@ VARIANTS = {
     "capture": lambda m, d, a: Capture(m, d, a, **profiler_kwargs(a, "capture")),
     "capture-raw": lambda m, d, a: CaptureRaw(m, d, a, **profiler_kwargs(a, "capture-raw")),
     "capture-eager": lambda m, d, a: Capture(m, d, a, defer_records=False, **profiler_kwargs(a, "capture-eager")),
-    "capture-early": lambda m, d, a: Capture(m, d, a, records_early=True, **profiler_kwargs(a, "capture-early")),
+    "capture-pollall": lambda m, d, a: Capture(m, d, a, poll_all=True, **profiler_kwargs(a, "capture-pollall")),
     "floor-extract": lambda m, d, a: Floor(m, d, a, path="extract", **profiler_kwargs(a, "floor-extract")),
     "capture-extract": lambda m, d, a: Capture(m, d, a, capture_path="extract", **profiler_kwargs(a, "capture-extract")),
 }

@@ -92,7 +92,8 @@ if [ "$phase" = bench ] || [ "$phase" = all ]; then
   # the results tables, without vLLM's logs and the profiler's own op tables
   sed -n '/^capture overhead on/,$p' "$OUT/capture_overhead.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|WARNING" | head -80
   mkdir -p "$OUT/profile" && cp /tmp/lt-profile/*/*.summary.json "$OUT/profile/" 2>/dev/null
-  for t in /tmp/lt-profile/{plain,floor,capture}/*inflight${PROFILE_INFLIGHT%%,*}*.json.gz; do  # traces to open in Perfetto, if small
+  pin=${PROFILE_INFLIGHT:-1,4}
+  for t in /tmp/lt-profile/{plain,floor,capture}/*inflight${pin%%,*}*.json.gz; do  # traces to open in Perfetto, if small
     [ -f "$t" ] && [ "$(stat -c %s "$t")" -lt 15000000 ] && cp "$t" "$OUT/profile/"
   done
   if [ -f benchmarks/train_throughput.py ] && [ -z "${SKIP_TRAIN_BENCH:-}" ]; then
