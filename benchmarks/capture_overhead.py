@@ -11,7 +11,10 @@ output), which tells an engine-side gap from a driver-side one.
 Variants (``--variants``; the ratio column is ``capture`` over ``plain``, the others explain the gap; dropped
 once they explain nothing more, with where their answer stands: ``floor-hashed``, vLLM's block hashes kept,
 0.94 of the floor's throughput at 256 in flight, RESULTS 2026-12-04 evening; the skip is the default and warns
-by name at start-up where it did not take; ``capture-torch``, the torch record path, measured against the lean one on 2026-12-03/04;
+by name at start-up where it did not take; ``capture-torch``, the torch record path, measured against the lean one on
+2026-12-03/04; ``capture-early``, records taken off the pool also while their requests run, and ``capture-pollall``
+(a branch never merged: the default was one record at a time), within the noise of the default on 2026-12-06 (RESULTS,
+sixth session);
 ``capture-piecewise``, PIECEWISE graphs, which prefill runs either way: ``serve_overhead.py`` keeps it):
     plain              vLLM as users run it (its default scheduling; the engine core forked from the driver)
     plain-spawn        plain with its engine core spawned, as every capture engine's is (``launch.engine_env``).
@@ -34,13 +37,6 @@ by name at start-up where it did not take; ``capture-torch``, the torch record p
                        engine step (Tap.defer_records=False); by default records wait while an engine output
                        does (at least one a round): capture / capture-eager is what that ordering buys, and
                        the ``late`` phase (--stats) shows the driver's delay in each
-    capture-pollall    capture with the Tap taking every committed record off the pool in one poll while
-                       requests run (Tap.poll_all; its way until 2026-12-06, second session), where by default it
-                       takes them one at a time and an engine output that comes meanwhile goes first (H100,
-                       2026-12-06: at 4 in flight the driver was 0.3 ms later than plain's to the engine's outputs,
-                       and capture's requests took 2-11 ms from add_request to the engine core's queue, plain's
-                       0.8): capture / capture-pollall is what that buys. (capture-early, records taken also
-                       while their requests run, is gone: 0.89-0.97 against capture's 0.89-0.98, RESULTS)
     floor-extract      as floor, through vLLM's extract_hidden_states (capture_path="extract")
     capture-extract    capture through extract_hidden_states (synchronous scheduling on vLLM 0.25/CUDA)
 
@@ -431,7 +427,7 @@ def shm_slots(args) -> int:
 class Capture:
     """layertap capture through the Tap: every record is counted and its token digest proven."""
 
-    def __init__(self, model, data, args, defer_records: bool = True, poll_all: bool = False, **extra):
+    def __init__(self, model, data, args, defer_records: bool = True, **extra):
         from layertap.tap import Tap
 
         self.inputs = [{"token_ids": ids} for ids in data]
@@ -445,7 +441,6 @@ class Capture:
                        out=args.out if args.transport == "file" else None, zero_copy=args.transport == "shm",
                        **engine_kwargs(args), **extra)
         self.tap.defer_records = defer_records
-        self.tap.poll_all = poll_all
 
     def rate(self, inflight: int, data=None) -> float:
         inputs = self.inputs if data is None else [{"token_ids": ids} for ids in data]
@@ -543,7 +538,6 @@ VARIANTS = {
     "capture": lambda m, d, a: Capture(m, d, a, **profiler_kwargs(a, "capture")),
     "capture-raw": lambda m, d, a: CaptureRaw(m, d, a, **profiler_kwargs(a, "capture-raw")),
     "capture-eager": lambda m, d, a: Capture(m, d, a, defer_records=False, **profiler_kwargs(a, "capture-eager")),
-    "capture-pollall": lambda m, d, a: Capture(m, d, a, poll_all=True, **profiler_kwargs(a, "capture-pollall")),
     "floor-extract": lambda m, d, a: Floor(m, d, a, path="extract", **profiler_kwargs(a, "floor-extract")),
     "capture-extract": lambda m, d, a: Capture(m, d, a, capture_path="extract", **profiler_kwargs(a, "capture-extract")),
 }

@@ -117,10 +117,6 @@ class Tap:
         round). False (a benchmark aid, ``capture_overhead.py`` capture-eager): every committed record first."""
         self.deferrals = 0
         """Rounds in which records waited for an engine output (``defer_records``), over the Tap's life."""
-        self.poll_all = False
-        """A benchmark aid (``capture_overhead.py`` capture-pollall): while requests run, take every committed
-        record off the pool in one poll (the Tap's way before 2026-12-06, second session). False: one at a time,
-        an engine output that comes meanwhile first (``_loop``)."""
         self.run = uuid.uuid4().hex[:8]
         on_cuda = torch.cuda.is_available()
         if os.environ.get("LAYERTAP_ALLOW_KNOWN_BUGS") != "1":
@@ -373,42 +369,26 @@ class Tap:
             in_hand = any(k in expect for k in early)  # a record due whose request has finished
             idle = not running and not in_hand and not (queue and self._can_admit(running, len(expect)))
             hurry = output_waiting if running else None
+            deferred = hurry is not None and in_hand and hurry()
             # Records are taken off the pool only where one can be due: a finished request awaits its record,
             # or nothing runs. One that lands while its request still runs (on CUDA a prompt's record is copied
             # out in its own forward step, before its finished output reaches this process) stays in the pool
             # until its request finished: taking it earlier is driver work in the way of the engine's next
             # output (H100, 2026-12-06: that output waited 0.20 ms a request in this process at 1 in flight).
-            # While requests run, record work goes one record at a time (taking it off the pool, proving it,
-            # handing it out), and an engine output that came meanwhile goes first: it waits for one record's
-            # work at most, not for the whole batch's. The engine schedules the next requests from what reached
-            # it when it plans its next step; one the driver admits late waits a whole step (H100, 2026-12-06,
-            # 4 in flight: capture's requests took 2-11 ms from add_request to the engine's queue, plain's 0.8,
-            # with the driver 0.3 ms later to the engine's outputs). At least one record goes per round, so
-            # records never starve. ``poll_all`` (a benchmark aid): every committed record in one take.
-            limit = None if hurry is None or self.poll_all else 1
-            handed = polled = 0
-            deferred = False
-            while True:
-                key = next((k for k in early if k in expect), None)
-                if hurry is not None and (handed or (key is None and polled)) and hurry():
+            if not deferred and (expect or not running):
+                for rec in self.source.poll(timeout=0.05 if idle else 0.0):
+                    if rec.meta.get("run") != self.run:
+                        raise CaptureError(f"record {rec.key} (index {rec.index}) belongs to another run")
+                    if rec.key in self._stale_keys or self._abandoned(rec):  # from an iteration the caller left
+                        self._stale_keys.discard(rec.key)
+                        rec.release()
+                        continue
+                    early[rec.key] = rec
+            handed = 0
+            for key in [k for k in early if k in expect]:
+                if handed and hurry is not None and hurry():
                     deferred = True
                     break
-                if key is None:
-                    if not expect and (running or polled):  # nothing due (records land for requests that finished)
-                        break
-                    got = self.source.poll(timeout=0.05 if idle and not polled else 0.0, limit=limit)
-                    if not got:
-                        break
-                    polled += 1
-                    for rec in got:
-                        if rec.meta.get("run") != self.run:
-                            raise CaptureError(f"record {rec.key} (index {rec.index}) belongs to another run")
-                        if rec.key in self._stale_keys or self._abandoned(rec):  # from an iteration the caller left
-                            self._stale_keys.discard(rec.key)
-                            rec.release()
-                            continue
-                        early[rec.key] = rec
-                    continue
                 rec = early.pop(key)
                 self._prove(rec, *expect.pop(key))
                 last_progress = time.monotonic()

@@ -3,12 +3,11 @@
 # benchmarks/RESULTS.md for the call chain that brings vLLM and the serve wheels). LEASE_STEPS picks and orders
 # the steps; each writes under $OUT before the next starts, so a lease cut short still answers the first. The
 # default (small) is what is most open after the leases of 2026-12-06 (RESULTS.md): the 8B shape met the prefill
-# goal at every size (0.99, every round >= 0.98); the small model did not at 1-16 in flight (0.91 / 0.89 / 0.95 in
-# the second session), where capture's requests took 2-11 ms from add_request to the engine core's queue at 4 in
-# flight (plain's 0.8) and the driver was 0.3 ms later to the engine's outputs. The Tap now takes records one at a
-# time while requests run, an engine output first: do `late` and `in` fall, and the ratios rise? The variant
-# capture-pollall (every committed record in one take, as before) is beside it in every round: one run answers it
-# as a pair. (pinned: the H100 hosts seen so far have one NUMA node, so it shows nothing there.)
+# goal at every size (0.99, every round >= 0.98); the small model did not at 1-16 in flight (0.88-0.95 on two
+# hosts), where capture's requests reach the engine core's queue later at 4 in flight (2-15 ms from add_request
+# against plain's 0.8-14 ms) and the driver is later to the engine's outputs (`late` 0.5-0.9 ms against 0.15-0.27).
+# Two ways of taking records in the Tap (records_early, and one record at a time while requests run) changed
+# nothing measurable. (pinned: the H100 hosts seen so far have one NUMA node, so it shows nothing there.)
 #   PRE (no vLLM; in the start call): the models, and d2h_bandwidth --mb 32: the registered pool's bandwidth
 #      and whether an 8-byte copy on another stream (vLLM's sampled ids) waits behind a 32 MiB record copy
 #      (2026-12-05: 54.3 GB/s; yes, 642 us behind one).
@@ -79,7 +78,7 @@ el "py-spy profiles"
 small_bench() {  # the 2048 x 16 model, six paired rounds, into $OUT/$1; $2: more flags. SMALL_SKIP_PROFILE=
 # (set, empty): a torch-profiler trace of every engine after the rounds, at PROFILE_INFLIGHT (gpu_check.sh)
 SKIP_TRAIN_BENCH=1 SKIP_PROFILE=${SMALL_SKIP_PROFILE-1} BENCH_REPEATS=${SMALL_REPEATS:-6} \
-  BENCH_BATCH_SIZES=${SMALL_BATCH_SIZES:-1,4,16,64,256} BENCH_VARIANTS=${SMALL_VARIANTS:-plain,plain-spawn,floor,capture,capture-pollall} BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats $2" \
+  BENCH_BATCH_SIZES=${SMALL_BATCH_SIZES:-1,4,16,64,256} BENCH_VARIANTS=${SMALL_VARIANTS:-plain,plain-spawn,floor,capture} BENCH_ARGS="--no-hf --gpu-build --chunk 32 --stats $2" \
   bash scripts/gpu_check.sh bench
 mkdir -p "$OUT/$1" && mv "$OUT"/capture_overhead.* "$OUT/$1/"
 }

@@ -5,9 +5,8 @@ process to a *source* that lives in the consumer. Contract, every backend:
 
 - ``Sink.put(key, tensors, meta)`` commits the record atomically or raises ``TransportError``: payload
   first, manifest last; a consumer never sees a record whose payload is incomplete.
-- ``Source.poll(timeout, limit)`` returns records committed since the last call, each key exactly once, each
-  checked (checksum + token digest) before it is handed out; at most ``limit`` of them (oldest first), the
-  rest wait for the next call, so a caller can do its record work one record at a time.
+- ``Source.poll(timeout)`` returns records committed since the last call, each key exactly once, each
+  checked (checksum + token digest) before it is handed out.
 - ``Source.free_capacity()`` says how many more records may be put without blocking (``None`` =
   unbounded), so producers can bound in-flight work instead of dropping or growing.
 - Nothing listens beyond loopback unless a backend's config says so explicitly.
@@ -79,7 +78,7 @@ class Source(ABC):
     """Consumer side."""
 
     @abstractmethod
-    def poll(self, timeout: float = 0.0, limit: int | None = None) -> list[Record]: ...
+    def poll(self, timeout: float = 0.0) -> list[Record]: ...
 
     def free_capacity(self) -> int | None:
         return None

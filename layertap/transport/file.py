@@ -197,7 +197,6 @@ class FileSource(Source):
         self._ds.root, self._ds.verify_checksum, self._ds._maps, self._ds.entries = self.root, verify_checksum, {}, []
         self._pos: dict[Path, int] = {}
         self._seen: set[str] = set()
-        self._backlog: list[dict[str, Any]] = []  # committed entries a ``poll`` limit left for the next call
 
     def skip_existing(self) -> set[int]:
         """Mark every record already committed as seen; returns their input indices (for resume)."""
@@ -224,13 +223,11 @@ class FileSource(Source):
             self._pos[idx] = pos + consumed
         return out
 
-    def poll(self, timeout: float = 0.0, limit: int | None = None) -> list[Record]:
+    def poll(self, timeout: float = 0.0) -> list[Record]:
         deadline = time.monotonic() + timeout
         while True:
-            self._backlog += self._new_entries()  # index entries found, not yet read (past an earlier limit)
-            if self._backlog or time.monotonic() >= deadline:
-                n = len(self._backlog) if limit is None else max(1, limit)
-                entries, self._backlog = self._backlog[:n], self._backlog[n:]
+            entries = self._new_entries()
+            if entries or time.monotonic() >= deadline:
                 return [self._ds.read_entry(e) for e in entries]
             time.sleep(min(0.005, max(0.0, deadline - time.monotonic())))
 

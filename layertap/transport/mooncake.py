@@ -287,12 +287,12 @@ class MooncakeSource(Source):
                 raise StoreGone(f"writer {w.name} stopped heart-beating {self.cfg['peer_timeout']} s ago (dead?); "
                                 f"records after #{w.next_seq} from it are lost", -900)
 
-    def poll(self, timeout: float = 0.0, limit: int | None = None) -> list[Record]:
+    def poll(self, timeout: float = 0.0) -> list[Record]:
         deadline = time.monotonic() + timeout
         while True:
             ready = self._scan()
-            if ready:  # a writer's record left out by ``limit`` is found again by the next scan
-                return [self._fetch(w) for w in (ready if limit is None else ready[:max(1, limit)])]
+            if ready:
+                return [self._fetch(w) for w in ready]
             now = time.monotonic()
             if now >= self._next_liveness:
                 self._next_liveness = now + self.cfg["heartbeat_s"]

@@ -298,7 +298,6 @@ class ShmSource(Source):
         self._seen: set[str] = set()
         self._last_seq = -1
         self._pending: list[int] = []  # heads of records the device will commit (WRITING with a seq)
-        self._left = False  # committed records an earlier poll's ``limit`` left in the pool
         self._next_liveness = 0.0
         self._dead_writers: list[str] = []
 
@@ -311,28 +310,20 @@ class ShmSource(Source):
             self.pool.set_consumer(me, start)
 
     # --- delivery ------------------------------------------------------------------------------
-    def _take(self, limit: int | None = None) -> list[sp.SlotInfo]:
+    def _take(self) -> list[sp.SlotInfo]:
         seq = self.pool.commit_seq()
-        # Nothing new: no sequence number taken since the last scan, no pending device commit landed (its
-        # state word is the only thing that changes; read without the lock, re-read under it), and no
-        # committed record left behind by an earlier ``limit``.
-        if seq == self._last_seq and not self._left and \
-                not any(self.pool.state_of(h) == sp.COMMITTED for h in self._pending):
+        # Nothing new: no sequence number taken since the last scan, and no pending device commit landed
+        # (its state word is the only thing that changes; read without the lock, re-read under it).
+        if seq == self._last_seq and not any(self.pool.state_of(h) == sp.COMMITTED for h in self._pending):
             return []
         with self.pool.locked():
             self._last_seq = self.pool.commit_seq()
             states = self.pool.state_words()  # state words only; whole entries of the slots that matter
-            taken = sorted((self.pool.slot(i) for i in np.flatnonzero(states == sp.COMMITTED).tolist()),
-                           key=lambda s: s.seq)
-            if limit is not None and len(taken) > max(1, limit):  # the oldest; the rest stay committed
-                taken = taken[:max(1, limit)]
-                self._left = True
-            else:
-                self._left = False
+            taken = [self.pool.slot(i) for i in np.flatnonzero(states == sp.COMMITTED).tolist()]
             self._pending = [i for i in np.flatnonzero(states == sp.WRITING).tolist() if self.pool.seq_of(i)]
             for s in taken:
                 self.pool.set_slot(s.index, sp.READING, s.writer, s.span, s.seq, s.length, s.checksum)
-        return taken
+        return sorted(taken, key=lambda s: s.seq)
 
     def _release(self, head: int) -> None:
         if self.pool.mm.closed:
@@ -398,14 +389,13 @@ class ShmSource(Source):
             keys = ", ".join(s.key for s in lost) or "none mid-write"
             raise PeerGone(f"shm pool {self.name}: writer {name!r} (pid {pid}) died; records lost in flight: {keys}")
 
-    def poll(self, timeout: float = 0.0, limit: int | None = None) -> list[Record]:
-        """Records committed since the last call, in commit order (waits up to ``timeout`` s for one); at most
-        ``limit`` of them, the oldest: the others stay committed in the pool for the next call."""
+    def poll(self, timeout: float = 0.0) -> list[Record]:
+        """Records committed since the last call, in commit order (waits up to ``timeout`` s for one)."""
         if self.pool.mm.closed:
             raise TransportError(f"shm source {self.name} is closed")
         deadline = time.monotonic() + timeout
         while True:
-            taken = self._take(limit)
+            taken = self._take()
             if taken:
                 return self._deliver(taken)
             now = time.monotonic()

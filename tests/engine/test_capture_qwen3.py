@@ -104,7 +104,6 @@ class _OutputsAfterRecords:
         self.committed = self.pool.commit_seq()  # one sequence number per committed record (CPU commits)
         self.held: list = []
         self.seen = 0
-        self.most_at_once = 0  # the most requests one step result finished
 
     def __call__(self):
         import time
@@ -118,7 +117,6 @@ class _OutputsAfterRecords:
         done = sum(1 for o in outs if o.finished)
         if not done:
             return outs
-        self.most_at_once = max(self.most_at_once, done)
         self.committed += done
         deadline = time.monotonic() + 60
         while self.pool.commit_seq() < self.committed:
@@ -139,8 +137,8 @@ def test_a_record_in_hand_is_handed_out_without_waiting_for_more(tap, model):
     step = _OutputsAfterRecords(tap)
     empty_waits: list[float] = []
 
-    def poll(timeout: float = 0.0, limit=None):
-        recs = real_poll(timeout, limit)
+    def poll(timeout: float = 0.0):
+        recs = real_poll(timeout)
         if timeout > 0 and not recs:
             empty_waits.append(timeout)
         return recs
@@ -159,74 +157,38 @@ def test_a_record_in_hand_is_handed_out_without_waiting_for_more(tap, model):
     assert_all_match(recs, model)
 
 
-@pytest.mark.parametrize("poll_all", [False, True], ids=["default", "poll_all"])
-def test_records_of_running_requests_stay_in_the_pool_until_their_requests_finish(tap, model, poll_all):
+def test_records_of_running_requests_stay_in_the_pool_until_their_requests_finish(tap, model):
     """The Tap takes records off the pool only where one can be due (a finished request awaits its record) or
     nothing runs. A record that lands while its request still runs (on CUDA a prompt's record lands in its own
     forward step, before the finished output reaches the driver) stays in the pool until the output came:
     taking it earlier is driver work in the way of the engine's next output. Forced as in the test above: each
     step result that finishes requests is held back until their records are committed and an empty result
-    goes first; no poll may come while every finished request's record is already taken (with the benchmark
-    aid ``poll_all`` too)."""
+    goes first; no poll may come while every finished request's record is already taken (before 2026-12-06 the
+    Tap took them on every round: one such poll per request)."""
     real_poll = tap.source.poll
     step = _OutputsAfterRecords(tap)
     taken = 0  # records the Tap took off the pool (step.seen: finished outputs handed to it)
     early_polls: list[tuple[int, int]] = []
 
-    def poll(timeout: float = 0.0, limit=None):
+    def poll(timeout: float = 0.0):
         nonlocal taken
         if step.seen == taken:  # no finished request awaits a record; one runs (max_inflight 1, a roomy pool)
             early_polls.append((step.seen, taken))
-        recs = real_poll(timeout, limit)
+        recs = real_poll(timeout)
         taken += len(recs)
         return recs
 
     inputs = random_prompts(5, [30, 70], seed=7)
     tap.step, tap.source.poll = step, poll
-    tap.max_inflight, tap.poll_all = 1, poll_all
+    tap.max_inflight = 1
     try:
         recs = list(tap.capture(inputs))
     finally:
         del tap.step, tap.source.poll
-        tap.max_inflight, tap.poll_all = None, False
+        tap.max_inflight = None
     assert sorted(r.index for r in recs) == list(range(5))
     assert not step.held and step.seen == taken == 5
     assert early_polls == [], f"the Tap took records off the pool {len(early_polls)} times with none due"
-    assert_all_match(recs, model)
-
-
-@pytest.mark.parametrize("poll_all", [False, True], ids=["default", "poll_all"])
-def test_while_requests_run_records_are_taken_one_at_a_time(tap, model, poll_all):
-    """While requests run, the Tap takes records off the pool one at a time (and an engine output that came
-    meanwhile goes before the next one), not every committed record in one take: an output that reaches the
-    driver during its record work then waits for one record's work, not a batch's. Forced as above (records
-    committed before their finished outputs come), at 6 in flight, so steps finish several requests at once and
-    several records are due together. With the benchmark aid ``poll_all`` (the Tap's way before) one take holds
-    several records: the check can fail."""
-    real_poll = tap.source.poll
-    step = _OutputsAfterRecords(tap)
-    takes_while_running: list[int] = []
-
-    def poll(timeout: float = 0.0, limit=None):
-        recs = real_poll(timeout, limit)
-        if tap.llm.llm_engine.has_unfinished_requests() and recs:
-            takes_while_running.append(len(recs))
-        return recs
-
-    inputs = random_prompts(36, [20, 24], seed=13)
-    tap.step, tap.source.poll = step, poll
-    tap.max_inflight, tap.poll_all = 6, poll_all
-    try:
-        recs = list(tap.capture(inputs))
-    finally:
-        del tap.step, tap.source.poll
-        tap.max_inflight, tap.poll_all = None, False
-    assert sorted(r.index for r in recs) == list(range(36))
-    assert step.most_at_once >= 2, "no step finished two requests together: nothing to take one at a time"
-    if poll_all:
-        assert max(takes_while_running) >= 2, f"poll_all: takes of {takes_while_running}"
-    else:
-        assert takes_while_running and max(takes_while_running) == 1, f"takes of {takes_while_running} records"
     assert_all_match(recs, model)
 
 

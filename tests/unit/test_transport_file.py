@@ -117,17 +117,3 @@ def test_unwritable_output_directory_is_a_named_error(tmp_path):
         target = tmp_path / "file" / "sub"
     with pytest.raises(TransportError, match=str(target.name)):
         FILE.prepare({"path": str(target)})
-
-
-def test_a_poll_limit_reads_the_oldest_and_keeps_the_rest_for_the_next_call(tmp_path):
-    cfg = FILE.prepare({"path": str(tmp_path / "ds"), "fsync": False})
-    src, sink = FILE.make_source(cfg), FILE.make_sink(cfg, "w")
-    for i in range(3):
-        sink.put(*make_record(i))
-    assert [[r.key for r in src.poll(0, limit=1)] for _ in range(3)] == [["req-0"], ["req-1"], ["req-2"]]
-    assert src.poll(0, limit=1) == []
-    for i in (3, 4):
-        sink.put(*make_record(i))
-    assert [r.key for r in src.poll(0)] == ["req-3", "req-4"]
-    sink.close()
-    src.close()

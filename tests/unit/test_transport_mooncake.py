@@ -157,23 +157,3 @@ def test_master_listens_on_loopback_only(master):
                 if state == "0A" and int(port, 16) in ports:
                     listen.add(addr)
     assert listen == {"0100007F"}, listen  # 127.0.0.1 only
-
-
-def test_a_poll_limit_leaves_the_other_writers_records_for_the_next_call(master):
-    addr, _, _ = master
-    cfg = config(addr)
-    src = MC.make_source(cfg)
-    sinks = [MC.make_sink(cfg, f"w{w}") for w in range(2)]
-    for w, sink in enumerate(sinks):
-        sink.put(*make_record(w))
-    firsts = []
-    deadline = time.monotonic() + 20
-    while len(firsts) < 2:
-        assert time.monotonic() < deadline, f"records seen: {firsts}"
-        recs = src.poll(0.1, limit=1)
-        assert len(recs) <= 1
-        firsts += [r.key for r in recs]
-    assert sorted(firsts) == ["req-0", "req-1"]
-    for sink in sinks:
-        sink.close()
-    src.close()

@@ -391,26 +391,3 @@ def test_vectorized_table_reads_match_word_by_word_reads():
             s.close()
     finally:
         src.close()
-
-
-def test_a_poll_limit_takes_the_oldest_and_leaves_the_rest_committed(pool):
-    """``poll(limit=1)`` hands out the oldest committed record only; the others stay committed (not taken,
-    so a crash of the consumer loses none) and come, in commit order, from the next calls."""
-    cfg, src = pool
-    sink = SHM.make_sink(cfg, "w")
-    for i in range(3):
-        sink.put(*make_record(i))
-    got = []
-    for left in (2, 1, 0):
-        recs = src.poll(0, limit=1)
-        assert len(recs) == 1
-        got.append(recs[0].key)
-        states = [src.pool.slot(i).state for i in range(cfg["num_slots"])]
-        assert states.count(sp.COMMITTED) == left
-        recs[0].release()
-    assert got == ["req-0", "req-1", "req-2"]
-    assert src.poll(0, limit=1) == []
-    sink.put(*make_record(3))
-    sink.put(*make_record(4))
-    assert [r.key for r in src.poll(0)] == ["req-3", "req-4"]  # no limit: everything committed
-    sink.close()
