@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -86,27 +87,41 @@ class TargetHead(nn.Module):
         return self.normed(h) @ self.lm_head.to(h.dtype).T
 
 
-def agreement(head: TargetHead, last_states: torch.Tensor, token_ids: torch.Tensor, start: int) -> float:
+def agreement(head: TargetHead, last_states: torch.Tensor, token_ids: torch.Tensor, start: int,
+              near_tie: float = 0.0) -> float:
     """Share of rows ``t >= start`` whose head argmax equals ``token_ids[t + 1]``.
 
     On a greedily generated span this is ~1.0 (ties aside); on teacher-forced text it is the
     target's accuracy, well below 1. ``last_states`` are the pre-norm id-``N`` rows.
+
+    ``near_tie``: a row also agrees where the head's logit of ``token_ids[t + 1]`` lies within ``near_tie``
+    of its best logit, relative to that logit's size (at least 1). An engine running in bf16 rounds its
+    weights, its norm and its logits to 8 significant bits and takes the argmax of those: where two logits
+    are that close, its choice and this float32 head's can differ with both right.
     """
     n = int(token_ids.shape[0])
     if not 0 <= start < n - 1:
         raise ValueError(f"agreement: start={start} must lie in [0, {n - 1}) for {n} tokens")
-    pred = greedy_argmax(head, last_states[start : n - 1])
-    return float((pred == token_ids[start + 1 : n]).float().mean())
+    states, want = last_states[start : n - 1], token_ids[start + 1 : n]
+    pred, best = greedy_argmax(head, states, values=True)
+    ok = pred == want
+    if near_tie > 0 and not bool(ok.all()):
+        dev = head.lm_head.device
+        with torch.no_grad():
+            x = head.normed(states.to(dev, torch.float32))
+            mine = (x * head.lm_head[want.to(dev)].to(torch.float32)).sum(-1).cpu()
+        ok |= best - mine <= near_tie * best.abs().clamp_min(1.0)
+    return float(ok.float().mean())
 
 
 ARGMAX_CHUNK = 16384
 """Vocabulary rows per float32 slice in ``greedy_argmax``: 256 MiB at hidden 4096."""
 
 
-def greedy_argmax(head: TargetHead, last_states: torch.Tensor) -> torch.Tensor:
+def greedy_argmax(head: TargetHead, last_states: torch.Tensor, values: bool = False) -> Any:
     """The head's argmax per row in float32, on the head's device, one vocabulary slice at a time (no
     float32 copy of a large head beside the engine); ties go to the lowest id, as ``torch.argmax``. Returns
-    ids on the CPU."""
+    ids on the CPU (``values``: and the best logits, float32, on the CPU)."""
     if last_states.shape[-1] != head.hidden_size:
         raise ValueError(f"TargetHead: state width {last_states.shape[-1]} != hidden size {head.hidden_size}")
     dev = head.lm_head.device
@@ -119,4 +134,4 @@ def greedy_argmax(head: TargetHead, last_states: torch.Tensor) -> torch.Tensor:
             better = val > best
             best = torch.where(better, val, best)
             arg = torch.where(better, idx + i, arg)
-    return arg.cpu()
+    return (arg.cpu(), best.cpu()) if values else arg.cpu()

@@ -16,7 +16,13 @@ from layertap.records import Record
 from layertap.train.data import plane_index
 
 MIN_AGREEMENT = 0.95
-"""Greedy spans agree exactly up to near-ties, which fp32 HF vs vLLM kernels can flip on a few rows."""
+"""Greedy spans agree exactly up to near-ties (``NEAR_TIE``), which kernels of other precision can flip."""
+
+NEAR_TIE = 2.0 ** -5
+"""A greedy span's row also agrees where the engine's token scores within this share of the best logit
+(``models.head.agreement``): a few bf16 rounding steps of the engine's weights, norm and logits. A wrong
+layer id or a foreign head misses by far more. Without it a bf16 engine's near-ties failed the test on a
+tiny target: 3 of a 32-token span (CI, 2026-12-06; agreement 0.968 over 3 records, one of them below 0.95)."""
 
 
 def is_greedy(rec: Record) -> bool:
@@ -52,7 +58,7 @@ class HeadSelfTest:
         if not is_greedy(rec):
             self.forced.append(agreement(self.head, h, rec.token_ids, start))
             return
-        self.greedy.append(agreement(self.head, h, rec.token_ids, start))
+        self.greedy.append(agreement(self.head, h, rec.token_ids, start, near_tie=NEAR_TIE))
         if self.greedy[-1] < MIN_AGREEMENT:
             self.result()  # raises at the first bad record: nothing trains on its labels
 
@@ -62,7 +68,8 @@ class HeadSelfTest:
                f"{_mean(self.greedy)} over {len(self.greedy)} records; teacher-forced accuracy "
                f"{_mean(self.forced)} over {len(self.forced)}")
         if self.greedy and min(self.greedy) < MIN_AGREEMENT:
-            raise ValueError(f"{msg}: below {MIN_AGREEMENT} on a greedy span - layer id {self.last_id} is not "
+            raise ValueError(f"{msg}: below {MIN_AGREEMENT} on a greedy span (near-ties within {NEAR_TIE:.3f} of "
+                             f"the best logit counted as agreeing) - layer id {self.last_id} is not "
                              "the pre-norm last state of this target, or the head does not belong to it")
         return msg
 

@@ -181,3 +181,26 @@ def test_greedy_argmax_in_slices_equals_argmax(monkeypatch):
     assert torch.equal(head_mod.greedy_argmax(head, h), want)
     with pytest.raises(ValueError, match="state width 64 != hidden size"):
         head_mod.greedy_argmax(head, torch.randn(3, 64))
+
+
+def test_agreement_counts_near_ties_only_where_asked_and_only_near_ones():
+    """A greedy span whose token lost the float32 argmax by a rounding step (a bf16 engine's near-tie)
+    agrees with ``near_tie``; a token far below the best logit never does."""
+    from layertap.models import head as head_mod
+
+    head = head_mod.TargetHead.from_pretrained(tiny_target())
+    h = torch.randn(20, head.hidden_size)
+    logits = head(h.float())
+    best = logits.argmax(-1)
+    runner_up = logits.topk(2, -1).indices[:, 1]
+    gap = (logits.max(-1).values - logits.gather(1, runner_up[:, None])[:, 0]) / logits.max(-1).values.abs().clamp_min(1)
+    near, far = int(gap.argmin()), int(gap.argmax())
+    worst = logits.argmin(-1)
+    tokens = torch.cat([torch.zeros(1, dtype=torch.long), best])  # row t predicts token t + 1
+    tokens[near + 1] = runner_up[near]  # the engine picked the runner-up of a near-tie
+    tokens[far + 1] = worst[far]  # and, elsewhere, a token far below the best
+    exact = head_mod.agreement(head, h, tokens, 0)
+    assert exact == pytest.approx(18 / 20)
+    tol = float(gap[near]) * 1.01
+    assert head_mod.agreement(head, h, tokens, 0, near_tie=tol) == pytest.approx(19 / 20)
+    assert float(gap[far]) > tol  # the far miss stays a miss at that tolerance
