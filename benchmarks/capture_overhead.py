@@ -13,8 +13,8 @@ once they explain nothing more, with where their answer stands: ``floor-hashed``
 0.94 of the floor's throughput at 256 in flight, RESULTS 2026-12-04 evening; the skip is the default and warns
 by name at start-up where it did not take; ``capture-torch``, the torch record path, measured against the lean one on
 2026-12-03/04; ``capture-early``, records taken off the pool also while their requests run, and ``capture-pollall``
-(a branch never merged: the default was one record at a time), within the noise of the default on 2026-12-06 (RESULTS,
-sixth session);
+(the way before and after the Tap of 6ff1a5f, one record at a time, which it was paired against and which was backed
+out), within the noise on 2026-12-06 (RESULTS, sixth session);
 ``capture-piecewise``, PIECEWISE graphs, which prefill runs either way: ``serve_overhead.py`` keeps it):
     plain              vLLM as users run it (its default scheduling; the engine core forked from the driver)
     plain-spawn        plain with its engine core spawned, as every capture engine's is (``launch.engine_env``).
