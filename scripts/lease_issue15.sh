@@ -22,6 +22,8 @@
 #      rounds, then a torch-profiler trace of each engine at 1 in flight (2026-12-05: 1.01, no extra kernel time).
 #   serve: serving the 8B shape (SERVE_ROUNDS, 2) and the HF check of 8 served records on the GPU.
 #   profile: py-spy over every process of plain, floor and capture at 4 in flight, and the diffs.
+#   stepprof: benchmarks/step_profile.py, the small model at 1 and 4 in flight: per function, microseconds per
+#      request in every engine process and the driver (plain-spawn, floor, capture side by side; ~5 min).
 # About 4 (machine, vLLM) + 8 (small) + 10 (big, three 8B engines) + 7 (pinned) min of device time; trace8b takes 7, serve 7. The call chain (a fresh machine; parts from
 # ../shared/gpu/build-vllm-bundle.sh .gpubundle, part00 split: split -b 45M -d -a 2 part00 p00_, so each call
 # carries under 64 MiB with the ~10 MB tree; py-spy: pip download py-spy into .gpubundle (the manylinux1
@@ -74,6 +76,17 @@ for n in 4; do  # where capture's extra time per request goes, by thread and fun
   done
 done 2>&1 | tee "$OUT/pyspy_diffs.txt"
 el "py-spy profiles"
+}
+stepprof() {  # deterministic per-function time per request in every engine process (benchmarks/step_profile.py):
+  # plain-spawn, floor and capture side by side on the small model at 1 and 4 in flight; where the floor's and
+  # the record path's time per request goes on the GPU host, function by function
+( big_env
+  timeout ${STEPPROF_TIMEOUT:-480} python3 benchmarks/step_profile.py --variants ${STEPPROF_VARIANTS:-plain-spawn,floor,capture} \
+    --inflight ${STEPPROF_INFLIGHT:-1,4} --repeats ${STEPPROF_REPEATS:-3} --hidden 2048 --num-layers 16 --head-dim 128 \
+    --vocab 2048 --prompts ${STEPPROF_PROMPTS:-128} --prompt-len 1024 --dtype bfloat16 --transport shm --slot-mb 17 \
+    --no-hf --gpu-build --json "$OUT/step_profile.json" > "$OUT/step_profile.txt" 2>&1 )
+head -120 "$OUT/step_profile.txt"
+el "step profile"
 }
 small_bench() {  # the 2048 x 16 model, six paired rounds, into $OUT/$1; $2: more flags. SMALL_SKIP_PROFILE=
 # (set, empty): a torch-profiler trace of every engine after the rounds, at PROFILE_INFLIGHT (gpu_check.sh)

@@ -99,6 +99,8 @@ def watch_owner(owner: dict[str, int] | None, role: str, period: float = 0.5) ->
 class LayertapConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if not hasattr(self, "_connector_metadata"):  # read directly by has_connector_metadata
+            raise compat.UnsupportedVLLM("this vLLM's KVConnectorBase_V1 keeps no _connector_metadata")
         self._extra = compat.extra_config(vllm_config)
         self._layer_ids = compat.capture_layer_ids(vllm_config)
         if compat.pp_size(vllm_config) != 1:
@@ -168,7 +170,9 @@ class LayertapConnector(KVConnectorBase_V1, SupportsHMA):
         step that carries slot checks (the first steps), so it answers False on the others: the wrapper
         then runs the layer straight (connector option ``quiet_layers``, default on). layertap's own hooks
         read the metadata through ``_bound_meta``."""
-        meta = self._bound_meta()
+        # vLLM asks this once per attention layer per step: the bound metadata is read straight from the base
+        # class's attribute (checked at start-up), not through two more calls
+        meta = self._connector_metadata
         if meta is None:
             return False
         return not self._quiet_layers or bool(getattr(meta, "checks", None))

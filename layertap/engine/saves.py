@@ -68,18 +68,25 @@ class SchedulerSide:
         self.saved_early: dict[str, dict] = {}  # req_id -> what request_finished reports for it
         self.steps = 0
         self.decode_steps = 0
+        # Generate-mode requests alive (by their params; ``default_generate``: every request counts, as under
+        # ``layertap serve``): only they keep decode rows, so only while one lives can a decode-step slot check
+        # come. Without one, the steady state below needs no block tracking even before any decode check ran.
+        self.gen_live: set[str] = set()
+        self.default_generate = self.c._extra.get("default_mode", "prompt") == "generate"
         self.shared = {"layer_ids": list(self.c._layer_ids), "layer_semantics": LAYER_SEMANTICS,
                        "cache_group": self.c._group_desc}  # every SaveJob's ``shared``: the same dict
 
     def build_meta(self, out) -> LayertapMetadata:
         new = compat.new_requests(out)
-        if not new and not self.prompts and self.steps >= self.c._check_steps \
-                and self.decode_steps >= self.c._check_steps:
-            # Steady state (decode steps, once the first steps' checks are done): no slot check can come any
-            # more and no prompt waits for an early save, so the block ids need no tracking (a generate-mode
-            # save takes them from request_finished); only the saves queued by request_finished go out.
-            # This runs on the engine's one thread every step; the full pass below cost ~0.5 us per request
-            # in flight (31 us a step at 64, measured on the 2-core CPU machine).
+        decode_checks_done = self.decode_steps >= self.c._check_steps or not (self.default_generate or self.gen_live)
+        if not new and not self.prompts and self.steps >= self.c._check_steps and decode_checks_done:
+            # Steady state (once the first steps' checks are done, and the first decode steps' where a
+            # generate-mode request runs): no slot check can come any more and no prompt waits for an early
+            # save, so the block ids need no tracking (a generate-mode save takes them from request_finished);
+            # only the saves queued by request_finished go out. This runs on the engine's one thread every
+            # step; the full pass below cost ~0.5 us per request in flight (31 us a step at 64, measured on the
+            # 2-core CPU machine), and a prompt-only run (no decode check ever) took it on every step: ~45 us a
+            # step at 1 in flight there (benchmarks/step_profile.py, 2026-12-06).
             self.steps += 1
             saves, self.pending = self.pending, []
             return LayertapMetadata(saves=saves)
@@ -99,6 +106,8 @@ class SchedulerSide:
                 mode = self.params[rid].get("mode", self.c._extra.get("default_mode", "prompt"))
                 if self.eager and mode == "prompt" and prompt:
                     self.prompts[rid] = prompt
+                elif mode == "generate":
+                    self.gen_live.add(rid)
             if want_checks and rid in sched:
                 checks.append(SlotCheck(rid, list(self.blocks[rid]), computed, computed + sched[rid]))
         cached = compat.cached_requests(out)
@@ -160,6 +169,7 @@ class SchedulerSide:
     def finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         rid = request.request_id
         self.blocks.pop(rid, None)
+        self.gen_live.discard(rid)
         self.prompts.pop(rid, None)
         params = self.params.pop(rid, None)
         early = self.saved_early.pop(rid, None)

@@ -98,3 +98,29 @@ def test_steady_state_steps_skip_block_tracking_but_keep_every_save():
     (early,) = s.build_meta(out(cached=[("p", ([9],), 100, 0)], sched={"p": 50})).saves
     assert early.req_id == "p" and early.block_ids == [7, 8, 9] and early.release is False
     assert s.build_meta(out(cached=[("p", None, 150, 1)], sched={"p": 1})).saves == []
+
+
+def test_a_prompt_only_run_reaches_the_steady_state_without_decode_checks():
+    """Prompt-mode requests keep no decode rows, so no decode-step check can come while only they run: the
+    steady state starts once the first steps' checks are done (before, a prompt-only run took the full pass on
+    every step, since its decode checks never ran). A generate-mode request arriving later is checked on its
+    first decode steps again, and its blocks tracked meanwhile."""
+    c = NS(_group=0, _layer_ids=[1, 2], _group_desc={}, _check_steps=2,
+           _extra={"capture_path": "hook", "default_mode": "prompt"})
+    s = SchedulerSide(c)
+    for k, rid in enumerate("ab"):  # the first two steps carry checks
+        m = s.build_meta(out([new(rid, PROMPT, [2 * k + 1, 2 * k + 2])], sched={rid: 150}))
+        assert [ch.req_id for ch in m.checks] == [rid] and [j.req_id for j in m.saves] == [rid]
+        s.finished(request(rid, PROMPT, [9]), [2 * k + 1, 2 * k + 2])
+    s.build_meta(out([new("c", PROMPT, [5, 6])], sched={"c": 150}))  # saved early, still running
+    m = s.build_meta(out(cached=[("c", ([7],), 150, 1)], sched={"c": 1}))  # one more step before it is known finished
+    assert m.checks == [] and m.saves == [] and s.blocks["c"] == [5, 6]  # steady state: not tracked
+    s.finished(request("c", PROMPT, [9]), [5, 6, 7])
+    # a generate-mode request: its decode steps are checked and its blocks followed until those checks ran
+    s.build_meta(out([new("g", PROMPT, [8, 9], mode="generate")], sched={"g": 150}))
+    m = s.build_meta(out(cached=[("g", ([10],), 150, 1)], sched={"g": 1}))
+    assert [ch.req_id for ch in m.checks] == ["g"] and s.blocks["g"] == [8, 9, 10]
+    hold, _ = s.finished(request("g", PROMPT, [9, 10]), [8, 9, 10])
+    assert hold is True and not s.gen_live
+    (job,) = s.build_meta(out()).saves
+    assert job.block_ids == [8, 9, 10]

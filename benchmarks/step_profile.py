@@ -1,0 +1,192 @@
+"""Where an engine's time per request goes, function by function, in each variant of capture_overhead.py:
+deterministic wall-time counters (``step_timer/sitecustomize.py``) around vLLM's and layertap's per-step
+functions in every engine process, read after a warm-up and after the measured requests.
+
+    python benchmarks/step_profile.py --variants plain-spawn,floor,capture --inflight 1 --repeats 3 \
+        --prompts 64 --prompt-len 256            # model and workload flags are capture_overhead.py's
+
+All variants' engines are alive at once in one child process (as capture_overhead.py pairs them); in each of
+``--repeats`` rounds and for each ``--inflight`` target, every variant in turn (the order rotates) runs all the
+prompts, between two dumps of its own engine processes' counters. Prints tokens/s per variant (median over repeats) and, per
+function, microseconds per request (median over repeats; inclusive: a caller's time holds its callees'),
+sorted by the largest difference against the first variant. Unlike sampling (py-spy), the counters do not
+slow the engine unevenly: every variant pays the same two clock reads per wrapped call. ``--json`` keeps it all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def descendants(pid: int) -> list[int]:
+    kids: dict[int, list[int]] = {}
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        kids.setdefault(ppid, []).append(int(p.name))
+    out, todo = [], [pid]
+    while todo:
+        q = todo.pop()
+        for c in kids.get(q, []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def child(variants: list[str], inflights: list[int], repeats: int, rest: list[str], result: Path) -> None:
+    """All variants' engines alive at once (as capture_overhead.py pairs them); per round, per in-flight
+    target, each variant in turn (the order rotates) runs every prompt between two dumps of its own processes."""
+    import capture_overhead as co
+
+    args = co.parse_args(rest + ["--batch-sizes", ",".join(map(str, inflights))])
+    if args.gpu_mem is None and torch_cuda():
+        args.gpu_mem = min(0.35, 0.8 / len(variants))
+    model, data = co.build_model(args), co.prompts(args)
+    sig = signal.SIGRTMIN + 3
+    runners, pids = {}, {}
+    try:
+        for v in variants:
+            before = set(descendants(os.getpid()))
+            runners[v] = co.VARIANTS[v](model, data, args)
+            pids[v] = sorted(set(descendants(os.getpid())) - before)
+            for k in inflights:
+                runners[v].rate(k, data[: max(4 * k, 16)])
+        runs = []
+        dumps: dict[int, int] = {}  # dumps asked of each process so far (its files are <pid>.<n>.json)
+        for r in range(repeats):
+            for j, k in enumerate(inflights):
+                o = (r + j) % len(variants)
+                for v in variants[o:] + variants[:o]:
+                    who = [*pids[v], os.getpid()]  # the variant's engine processes, and this driver
+                    at = {pid: dumps.get(pid, 0) for pid in who}
+                    signal_pids(who, sig)
+                    time.sleep(0.3)  # every process writes its dump
+                    t0 = time.perf_counter()
+                    rate = runners[v].rate(k)
+                    wall = time.perf_counter() - t0
+                    signal_pids(who, sig)
+                    time.sleep(0.3)
+                    for pid in who:
+                        dumps[pid] = at[pid] + 2
+                    runs.append({"variant": v, "inflight": k, "round": r, "rate": rate, "wall": wall,
+                                 "requests": len(data), "dumps": at})
+                    print(f"round {r} {k} in flight {v}: {rate:.0f} tok/s", flush=True)
+    finally:
+        for x in runners.values():
+            x.close()
+    result.write_text(json.dumps({"runs": runs, "pids": pids}))
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def signal_pids(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def read_dumps(folder: Path, at: dict[str, int]) -> dict[str, dict[str, list]]:
+    """Per process of a run (its title + pid), the difference of its dumps n+1 and n (``at``: pid -> n)."""
+    out = {}
+    for pid, n in at.items():
+        fa, fb = folder / f"{pid}.{n}.json", folder / f"{pid}.{n + 1}.json"
+        if not (fa.exists() and fb.exists()):
+            continue
+        da, db = json.loads(fa.read_text()), json.loads(fb.read_text())
+        a, b = da["stats"], db["stats"]
+        diff = {k: [v[0] - a.get(k, [0, 0.0])[0], v[1] - a.get(k, [0, 0.0])[1]] for k, v in b.items()}
+        diff = {k: v for k, v in diff.items() if v[0] > 0}
+        if diff:
+            out[f"{da['title'].rsplit('/', 1)[-1][:24]}:{pid}"] = diff
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", type=lambda s: s.split(","), default=["plain-spawn", "floor", "capture"])
+    ap.add_argument("--inflight", type=lambda s: [int(x) for x in s.split(",")], default=[1])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default="/tmp/layertap-step-profile")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args, rest = ap.parse_known_args()
+    root = Path(args.dir)
+    if args.child:
+        child(args.variants, args.inflight, args.repeats, rest, root / "result.json")
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    for f in root.glob("*.json"):
+        f.unlink()
+    env = {**os.environ, "LAYERTAP_STEP_TIMER": str(root),
+           "PYTHONPATH": os.pathsep.join([str(HERE / "step_timer"), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, __file__, "--child", "--variants", ",".join(args.variants), "--inflight",
+           ",".join(map(str, args.inflight)), "--repeats", str(args.repeats), "--dir", str(root), *rest]
+    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print("\n".join(ln for ln in p.stdout.splitlines() if ln.startswith("round ")))
+    if p.returncode != 0:
+        print(p.stdout[-6000:])
+        raise SystemExit(f"the profiled run failed with exit {p.returncode}")
+    res = json.loads((root / "result.json").read_text())
+    for run in res["runs"]:
+        run["procs"] = read_dumps(root, run["dumps"])
+    for k in args.inflight:
+        report({v: [r for r in res["runs"] if r["variant"] == v and r["inflight"] == k] for v in args.variants}, k)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+
+
+def report(runs: dict[str, list[dict]], inflight: int) -> None:
+    variants = list(runs)
+    print(f"\n{inflight} in flight; tokens/s (median of {len(next(iter(runs.values())))} runs): "
+          + ", ".join(f"{v} {statistics.median(r['rate'] for r in runs[v]):.0f}" for v in variants))
+    # us per request per function, summed over the variant's processes (a function runs in one process)
+    per: dict[str, dict[str, float]] = {v: {} for v in variants}
+    calls: dict[str, dict[str, float]] = {v: {} for v in variants}
+    for v in variants:
+        vals: dict[str, list[float]] = {}
+        cnt: dict[str, list[float]] = {}
+        for run in runs[v]:
+            tot: dict[str, list] = {}
+            for stats in run["procs"].values():
+                for k, (n, s) in stats.items():
+                    t = tot.setdefault(k, [0, 0.0])
+                    t[0] += n
+                    t[1] += s
+            for k, (n, s) in tot.items():
+                vals.setdefault(k, []).append(1e6 * s / run["requests"])
+                cnt.setdefault(k, []).append(n / run["requests"])
+        per[v] = {k: statistics.median(x) for k, x in vals.items()}
+        calls[v] = {k: statistics.median(x) for k, x in cnt.items()}
+    names = sorted(set().union(*per.values()))
+    base = variants[0]
+    names.sort(key=lambda k: -max(abs(per[v].get(k, 0.0) - per[base].get(k, 0.0)) for v in variants))
+    print("us per request (calls per request), inclusive, median over runs; sorted by the largest change from "
+          + base)
+    print(f"{'function':58}" + "".join(f"{v:>22}" for v in variants))
+    for k in names:
+        print(f"{k[:58]:58}" + "".join(f"{per[v].get(k, 0.0):>12.1f} ({calls[v].get(k, 0.0):>6.2f})" for v in variants))
+
+
+if __name__ == "__main__":
+    main()
