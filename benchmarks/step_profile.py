@@ -54,8 +54,8 @@ def child(variants: list[str], inflights: list[int], repeats: int, rest: list[st
     import capture_overhead as co
 
     args = co.parse_args(rest + ["--batch-sizes", ",".join(map(str, inflights))])
-    if args.gpu_mem is None and torch_cuda():
-        args.gpu_mem = min(0.35, 0.8 / len(variants))
+    if torch_cuda():  # every engine alive at once: share the GPU as capture_overhead.py's paired mode does
+        args.gpu_mem = min(args.gpu_mem or 0.35, 0.8 / len(variants))
     model, data = co.build_model(args), co.prompts(args)
     sig = signal.SIGRTMIN + 3
     runners, pids = {}, {}
