@@ -13,7 +13,7 @@ Start-up checks (the Tap runs them before its engine starts; ``layertap serve`` 
 What runs where:
     frontend (the Tap):        engine_defaults, async_scheduling, engine_dead, fail_blocked_step,
                                watch_engine_death, engine_arg_parser
-    scheduler (connector):     num_scheduled, new_requests, cached_requests, finished_request_state,
+    scheduler (connector):     num_scheduled, new_requests, cached_requests, finished_request_state, request_aborted,
                                skip_request_block_hashes, check_block_hashes_skipped
     worker (connector):        group_infos, capture_layer_name, capture_layer_ids, tp_rank, sizes, extra_config,
                                capture_plane_axis
@@ -351,8 +351,9 @@ def new_requests(scheduler_output: Any) -> list[tuple[str, tuple[list[int], ...]
         sp = r.sampling_params
         params = (sp.extra_args or {}).get("kv_transfer_params") if sp is not None and sp.extra_args else None
         prompt = getattr(r, "prompt_token_ids", None)
+        # the prompt as vLLM holds it (a list, never changed once the request exists): no copy of ~1k ids
         out.append((r.req_id, tuple(list(b) for b in r.block_ids), int(r.num_computed_tokens), params,
-                    list(prompt) if prompt is not None else None))
+                    prompt if prompt is None or isinstance(prompt, list) else list(prompt)))
     return out
 
 
@@ -416,12 +417,16 @@ def check_block_hashes_skipped() -> None:
                      "block hashes are computed as usual")
 
 
+def request_aborted(request: Any) -> bool:
+    """Whether a finished request ended aborted (or in error), from its status alone."""
+    status = str(getattr(request, "status", ""))
+    return "ABORTED" in status or "ERROR" in status
+
+
 def finished_request_state(request: Any) -> tuple[list[int], int, int, bool, dict | None]:
     """(all token ids, num prompt tokens, num computed tokens, aborted?, kv_transfer_params)."""
-    status = str(getattr(request, "status", ""))
-    aborted = "ABORTED" in status or "ERROR" in status
     prompt = request.prompt_token_ids or []
-    return (list(request.all_token_ids), len(prompt), int(request.num_computed_tokens), aborted,
+    return (list(request.all_token_ids), len(prompt), int(request.num_computed_tokens), request_aborted(request),
             request.kv_transfer_params)
 
 

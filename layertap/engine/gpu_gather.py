@@ -138,15 +138,47 @@ class RawCopies:
 
     H2D, D2H = 1, 2
 
+    # cudaEventCreateWithFlags flags; cudaErrorNotReady: an event query's "not yet"
+    EVENT_BLOCKING_SYNC, EVENT_DISABLE_TIMING, NOT_READY = 0x01, 0x02, 600
+
     def __init__(self, lib: Any):
         import ctypes
 
-        self._fn = lib.cudaMemcpyAsync
-        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        self._fn.restype = ctypes.c_int
+        def bind(name: str, *argtypes: Any) -> Any:
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+            return fn
+
+        vp = ctypes.c_void_p
+        self._fn = bind("cudaMemcpyAsync", vp, vp, ctypes.c_size_t, ctypes.c_int, vp)
         self._err = lib.cudaGetErrorString
         self._err.argtypes = [ctypes.c_int]
         self._err.restype = ctypes.c_char_p
+        # Events through the same runtime (a torch Event's create, record, query or wait costs 5-15 us of
+        # Python and dispatch on the GPU hosts' step thread; these ~1-2 us; benchmarks/step_profile.py)
+        self._ev_create = bind("cudaEventCreateWithFlags", ctypes.POINTER(vp), ctypes.c_uint)
+        self._ev_record = bind("cudaEventRecord", vp, vp)
+        self._ev_query = bind("cudaEventQuery", vp)
+        self._ev_sync = bind("cudaEventSynchronize", vp)
+        self._ev_destroy = bind("cudaEventDestroy", vp)
+        self._wait = bind("cudaStreamWaitEvent", vp, vp, ctypes.c_uint)
+        self._last = bind("cudaGetLastError")
+        self._vp = vp
+
+    def _check(self, code: int, what: str) -> None:
+        if code != 0:
+            raise RuntimeError(f"{what} failed: cudaError {code} ({self._err(code).decode(errors='replace')})")
+
+    def event(self, blocking: bool = False) -> "RawEvent":
+        """A CUDA event without timing (``blocking``: a host wait on it sleeps instead of spinning)."""
+        h = self._vp()
+        self._check(self._ev_create(h, self.EVENT_DISABLE_TIMING | (self.EVENT_BLOCKING_SYNC if blocking else 0)),
+                    "cudaEventCreateWithFlags")
+        return RawEvent(self, h.value)
+
+    def wait_event(self, stream: int, event: "RawEvent") -> None:
+        """Work queued on ``stream`` from now on waits for ``event``'s last record."""
+        self._check(self._wait(stream, event.handle, 0), "cudaStreamWaitEvent")
 
     @classmethod
     def load(cls) -> "RawCopies | None":
@@ -173,6 +205,36 @@ class RawCopies:
                                f"({self._err(code).decode(errors='replace')})")
 
 
+class RawEvent:
+    """A CUDA event made by ``RawCopies.event``, with torch's ``Event`` methods the record path uses
+    (``record`` takes a raw stream handle). Destroyed with the object."""
+
+    __slots__ = ("rt", "handle")
+
+    def __init__(self, rt: RawCopies, handle: int):
+        self.rt, self.handle = rt, handle
+
+    def record(self, stream: int) -> None:
+        self.rt._check(self.rt._ev_record(self.handle, stream), "cudaEventRecord")
+
+    def query(self) -> bool:
+        code = self.rt._ev_query(self.handle)
+        if code == RawCopies.NOT_READY:
+            self.rt._last()  # "not ready" is left as the thread's last error: clear it, as torch's query does
+            return False
+        self.rt._check(code, "cudaEventQuery")
+        return True
+
+    def synchronize(self) -> None:
+        self.rt._check(self.rt._ev_sync(self.handle), "cudaEventSynchronize")
+
+    def __del__(self) -> None:
+        try:
+            self.rt._ev_destroy(self.handle)
+        except Exception:  # interpreter shutdown: the runtime may be gone
+            pass
+
+
 class IndexUpload:
     """A step's block index on the device without a page-locked allocation per step: a ring of page-locked
     host rows, each reused once its upload ran (an event per row), copied on the *current* stream into one
@@ -191,11 +253,16 @@ class IndexUpload:
         self.rows = self.host.numpy()
         self.dev = torch.empty(capacity, dtype=torch.int64, device=self.device)
         self.host_ptr, self.dev_ptr = self.host.data_ptr(), self.dev.data_ptr()
-        self.events = [torch.cuda.Event() for _ in range(self.slots)]
+        self.events = [self.copies.event() for _ in range(self.slots)]
         self.used = [False] * self.slots
+        self.heads: dict[int, torch.Tensor] = {}  # self.dev[:n] by n, made once each
 
-    def __call__(self, block_lists: list[list[int]]) -> torch.Tensor:
+    def __call__(self, block_lists: list[list[int]], stream: int | None = None) -> torch.Tensor:
+        """The blocks of ``block_lists`` in one device index; uploaded on ``stream`` (a raw handle; default:
+        the current stream), which must be the stream that then reads the index."""
         n = sum(map(len, block_lists))
+        if stream is None:
+            stream = torch.cuda.current_stream().cuda_stream
         if n > self.capacity:  # the old buffers go back to their allocators; the current stream's order holds
             torch.cuda.current_stream().synchronize()
             self._alloc(max(n, 2 * self.capacity))
@@ -209,11 +276,13 @@ class IndexUpload:
         for blocks in block_lists:
             row[pos:pos + len(blocks)] = blocks
             pos += len(blocks)
-        stream = torch.cuda.current_stream()
-        self.copies.copy(self.dev_ptr, self.host_ptr + 8 * self.capacity * i, 8 * n, RawCopies.H2D, stream.cuda_stream)
+        self.copies.copy(self.dev_ptr, self.host_ptr + 8 * self.capacity * i, 8 * n, RawCopies.H2D, stream)
         self.events[i].record(stream)
         self.used[i] = True
-        return self.dev[:n]
+        head = self.heads.get(n)
+        if head is None:
+            head = self.heads[n] = self.dev[:n]
+        return head
 
 
 def register_host(region: torch.Tensor) -> str | None:

@@ -21,6 +21,7 @@ from layertap.engine.cache_view import CacheLayoutError, gather_blocks, kernel_r
 from layertap.engine.gpu_gather import (
     IndexUpload,
     RawCopies,
+    RawEvent,
     copy_to_host,
     gather_on_device,
     register_host,
@@ -197,6 +198,8 @@ class WorkerSide:
             return
         self.region_ptr, self.region_np = region.data_ptr(), region.numpy()
         self.index_upload = IndexUpload(self.view.device, self.copies)
+        self.gathered = self.copies.event()  # re-recorded every step (a stream wait takes the record as it is)
+        self.done_events: list[Any] = []  # raw copy-completion events of reaped groups, for reuse
         self.commit_word_ptr = self.commit_word.data_ptr()
         self.lean = True
 
@@ -429,10 +432,12 @@ class WorkerSide:
         try:
             # On the forward stream: whatever the next forward writes into these blocks runs after the
             # gather read them (stream order), so they are released in this very step, as on the torch path.
-            rows = gather_blocks(self.view, self.geo, self.index_upload(lists))
-            gathered = torch.cuda.Event()
-            gathered.record()
-            self.copy_stream.wait_event(gathered)
+            # Events are raw runtime calls, made once (RawEvent): a torch Event's create, record and wait cost
+            # 5-15 us each on the GPU hosts' step thread.
+            fwd, copy_stream = torch.cuda.current_stream().cuda_stream, self.copy_stream.cuda_stream
+            rows = gather_blocks(self.view, self.geo, self.index_upload(lists, fwd))
+            self.gathered.record(fwd)
+            self.copies.wait_event(copy_stream, self.gathered)  # the wait takes the record as it is now
             rows.record_stream(self.copy_stream)  # not reused before the copies queued below ran
         except BaseException:
             self._unstage(nbytes)
@@ -452,11 +457,13 @@ class WorkerSide:
                 raise
             if res is None:  # no room in the pool right now: this group takes the torch path's fallback
                 _abort(reservations)
-                self._copy_group(group, rows, gathered, spans, nbytes, None, t)
+                after = torch.cuda.Event()  # the torch path's copies wait on a torch event: recorded behind the
+                after.record()  # gather on the forward stream (nothing else was queued there since)
+                self._copy_group(group, rows, after, spans, nbytes, None, t)
                 return
             reservations.append(res)
         t = self._lap("reserve", t)
-        stream, copies, src, rb = self.copy_stream.cuda_stream, self.copies, rows.data_ptr(), self.row_bytes
+        stream, copies, src, rb = copy_stream, self.copies, rows.data_ptr(), self.row_bytes
         queued = 0
         try:
             for (a, n), res in zip(spans, reservations):
@@ -465,8 +472,8 @@ class WorkerSide:
                 copies.copy(self.region_ptr + res.state_at, self.commit_word_ptr, 4, RawCopies.D2H, stream)
                 res.handed_to_device()
                 queued += 1
-            done = torch.cuda.Event(blocking=True)
-            done.record(self.copy_stream)
+            done = self.done_events.pop() if self.done_events else copies.event(blocking=True)
+            done.record(stream)
         except BaseException:  # the engine stops on it; the rows stay held by record_stream either way
             _abort(reservations[queued:])
             self._unstage(nbytes)
@@ -514,7 +521,10 @@ class WorkerSide:
         if wait and self.inflight:
             self.inflight[0][0].synchronize()
         while self.inflight and self.inflight[0][0].query():
-            self.staged_bytes -= self.inflight.pop(0)[1]
+            done, nbytes = self.inflight.pop(0)
+            self.staged_bytes -= nbytes
+            if isinstance(done, RawEvent):
+                self.done_events.append(done)
 
     def _bound_staging(self, nbytes: int) -> None:
         with self.staging:

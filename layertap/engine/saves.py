@@ -174,8 +174,8 @@ class SchedulerSide:
         params = self.params.pop(rid, None)
         early = self.saved_early.pop(rid, None)
         if early is not None:  # saved when its prompt completed; nothing left to hold
-            aborted = compat.finished_request_state(request)[3]
-            return False, {PARAMS_KEY: {"status": "aborted"} if aborted else early}
+            # the status alone: finished_request_state copies the request's token list (~1k ids a prompt)
+            return False, {PARAMS_KEY: {"status": "aborted"} if compat.request_aborted(request) else early}
         if params is None:
             tp = request.kv_transfer_params or {}
             params = tp.get(PARAMS_KEY) if isinstance(tp, dict) else None

@@ -147,3 +147,25 @@ def test_no_record_is_visible_before_its_payload_landed(setup):
     w.finished(LayertapMetadata(saves=js))
     assert src.poll(0.0) == []  # queued, not landed: nothing visible
     assert_rows(src, want)
+
+
+def test_a_raw_event_query_before_the_work_ran_leaves_no_error_behind():
+    """RawEvent.query on an event still behind queued work returns False and clears the runtime's "not ready"
+    (left as the thread's last error), so torch's next launch check does not report it as a failure."""
+    from layertap.engine.gpu_gather import RawCopies
+
+    rt = RawCopies.load()
+    assert rt is not None
+    ev = rt.event(blocking=True)
+    torch.cuda._sleep(SLEEP)
+    ev.record(torch.cuda.current_stream().cuda_stream)
+    assert ev.query() is False
+    x = torch.ones(4, device="cuda") * 2  # a launch: torch checks the last error after it
+    ev.synchronize()
+    assert ev.query() is True and float(x.sum()) == 8.0
+    other = torch.cuda.Stream()
+    rt.wait_event(other.cuda_stream, ev)
+    with torch.cuda.stream(other):
+        y = x + 1
+    other.synchronize()
+    assert float(y.sum()) == 12.0
