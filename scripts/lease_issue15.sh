@@ -22,6 +22,7 @@
 #      rounds, then a torch-profiler trace of each engine at 1 in flight (2026-12-05: 1.01, no extra kernel time).
 #   serve: serving the 8B shape (SERVE_ROUNDS, 2) and the HF check of 8 served records on the GPU.
 #   profile: py-spy over every process of plain, floor and capture at 4 in flight, and the diffs.
+#   leantests: tests/gpu/test_lean_path.py, test_device_commit.py, test_streams.py (the CUDA record path, no engine).
 #   stepprof: benchmarks/step_profile.py, the small model at 1 and 4 in flight: per function, microseconds per
 #      request in every engine process and the driver (plain-spawn, floor, capture side by side; ~5 min).
 # About 4 (machine, vLLM) + 8 (small) + 10 (big, three 8B engines) + 7 (pinned) min of device time; trace8b takes 7, serve 7. The call chain (a fresh machine; parts from
@@ -76,6 +77,12 @@ for n in 4; do  # where capture's extra time per request goes, by thread and fun
   done
 done 2>&1 | tee "$OUT/pyspy_diffs.txt"
 el "py-spy profiles"
+}
+leantests() {  # the CUDA record path's own tests (no engine): gather order, index ring, device commits, streams
+( big_env
+  timeout ${LEANTESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_lean_path.py \
+    tests/gpu/test_device_commit.py tests/gpu/test_streams.py 2>&1 | tail -15 | tee "$OUT/leantests.txt" )
+el "lean path tests"
 }
 stepprof() {  # deterministic per-function time per request in every engine process (benchmarks/step_profile.py):
   # plain-spawn, floor and capture side by side on the small model at 1 and 4 in flight; where the floor's and
