@@ -129,8 +129,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/layertap-step-profile")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--report", default=None, help="only print (and --plot) a saved --json result")
+    ap.add_argument("--plot", default=None, help="also draw layertap's per-request engine work by part (PNG)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args()
+    if args.report:
+        res = json.loads(Path(args.report).read_text())
+        variants = list(dict.fromkeys(r["variant"] for r in res["runs"]))
+        inflights = list(dict.fromkeys(r["inflight"] for r in res["runs"]))
+        for k in inflights:
+            report({v: [r for r in res["runs"] if r["variant"] == v and r["inflight"] == k] for v in variants}, k)
+        if args.plot:
+            plot(res, variants, inflights, Path(args.plot))
+        return
     root = Path(args.dir)
     if args.child:
         child(args.variants, args.inflight, args.repeats, rest, root / "result.json")
@@ -154,6 +165,62 @@ def main() -> None:
         report({v: [r for r in res["runs"] if r["variant"] == v and r["inflight"] == k] for v in args.variants}, k)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
+    if args.plot:
+        plot(res, args.variants, args.inflight, Path(args.plot))
+
+
+PARTS = {  # layertap's work on the engine's step thread, in parts that do not nest (counter names)
+    "record path (get_finished)": (["connector:LayertapConnector.get_finished"], []),
+    "vLLM's connector calls around\nevery step (pre/post_forward)": (
+        ["kv_connector:ActiveKVConnector.pre_forward", "kv_connector:ActiveKVConnector.post_forward"],
+        ["connector:LayertapConnector.get_finished"]),
+    "scheduler side (build_meta)": (["saves:SchedulerSide.build_meta"], []),
+    "request finished (vLLM + layertap)": (["scheduler:Scheduler._connector_finished"], []),
+    "hook: rows into the capture layer": (["compat:KernelScatter.__call__", "cache_view:check_planes",
+                                           "cache_view:scatter_planes"], []),
+    "per-layer connector check": (["connector:LayertapConnector.has_connector_metadata"], []),
+    "capture layer's attention metadata": (["extract_hidden_states:CacheOnlyAttentionMetadataBuilder.build"], []),
+}
+
+
+def per_request(runs: list[dict]) -> dict[str, float]:
+    """Median over runs of microseconds per request, by counter."""
+    vals: dict[str, list[float]] = {}
+    for run in runs:
+        tot: dict[str, float] = {}
+        for stats in run["procs"].values():
+            for k, (_, sec) in stats.items():
+                tot[k] = tot.get(k, 0.0) + sec
+        for k, sec in tot.items():
+            vals.setdefault(k, []).append(1e6 * sec / run["requests"])
+    return {k: statistics.median(x) for k, x in vals.items()}
+
+
+def plot(res: dict, variants: list[str], inflights: list[int], out: Path) -> None:
+    """Per in-flight target, layertap's per-request work on the engine thread by part (PARTS), per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [v for v in variants if v != variants[0]]
+    fig, axes = plt.subplots(1, len(inflights), figsize=(6.5 * len(inflights), 4.2), squeeze=False)
+    for ax, k in zip(axes[0], inflights):
+        y = range(len(PARTS))
+        for i, v in enumerate(shown):
+            per = per_request([r for r in res["runs"] if r["variant"] == v and r["inflight"] == k])
+            vals = [sum(per.get(a, 0.0) for a in add) - sum(per.get(b, 0.0) for b in sub)
+                    for add, sub in PARTS.values()]
+            h = 0.8 / len(shown)
+            ax.barh([j + i * h for j in y], vals, height=h, label=f"{v} (sum {sum(vals):.0f} us)")
+        ax.set_yticks([j + 0.4 - 0.4 / len(shown) for j in y], list(PARTS), fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("microseconds per request (median over runs)")
+        ax.set_title(f"{k} in flight: layertap's work on the engine thread")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"plot: {out}")
 
 
 def report(runs: dict[str, list[dict]], inflight: int) -> None:
