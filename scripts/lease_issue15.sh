@@ -8,6 +8,10 @@
 # against plain's 0.8-14 ms) and the driver is later to the engine's outputs (`late` 0.5-0.9 ms against 0.15-0.27).
 # Two ways of taking records in the Tap (records_early, and one record at a time while requests run) changed
 # nothing measurable. (pinned: the H100 hosts seen so far have one NUMA node, so it shows nothing there.)
+# Since the seventh session of 2026-12-06 the step profile (stepprof) says where the engine thread's time goes,
+# function by function: ~0.35 ms a request for the floor, ~0.73 for capture, on ~10 ms steps (RESULTS.md). Measure
+# a change to that thread with LEASE_STEPS="leantests small stepprof": its counters hold across hosts where the
+# throughput ratios at 1-4 in flight move with the host.
 #   PRE (no vLLM; in the start call): the models, and d2h_bandwidth --mb 32: the registered pool's bandwidth
 #      and whether an 8-byte copy on another stream (vLLM's sampled ids) waits behind a 32 MiB record copy
 #      (2026-12-05: 54.3 GB/s; yes, 642 us behind one).
