@@ -137,10 +137,7 @@ def main() -> None:
         res = json.loads(Path(args.report).read_text())
         variants = list(dict.fromkeys(r["variant"] for r in res["runs"]))
         inflights = list(dict.fromkeys(r["inflight"] for r in res["runs"]))
-        for k in inflights:
-            report({v: [r for r in res["runs"] if r["variant"] == v and r["inflight"] == k] for v in variants}, k)
-        if args.plot:
-            plot(res, variants, inflights, Path(args.plot))
+        show(res, variants, inflights, args.plot)
         return
     root = Path(args.dir)
     if args.child:
@@ -161,12 +158,17 @@ def main() -> None:
     res = json.loads((root / "result.json").read_text())
     for run in res["runs"]:
         run["procs"] = read_dumps(root, run["dumps"])
-    for k in args.inflight:
-        report({v: [r for r in res["runs"] if r["variant"] == v and r["inflight"] == k] for v in args.variants}, k)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
-    if args.plot:
-        plot(res, args.variants, args.inflight, Path(args.plot))
+    show(res, args.variants, args.inflight, args.plot)
+
+
+def show(res: dict, variants: list[str], inflights: list[int], plot_path: str | None) -> None:
+    """Every in-flight target's table, and the plot where one is asked for."""
+    for k in inflights:
+        report({v: [r for r in res["runs"] if r["variant"] == v and r["inflight"] == k] for v in variants}, k)
+    if plot_path:
+        plot(res, variants, inflights, Path(plot_path))
 
 
 PARTS = {  # layertap's work on the engine's step thread, in parts that do not nest (counter names)
@@ -183,17 +185,22 @@ PARTS = {  # layertap's work on the engine's step thread, in parts that do not n
 }
 
 
-def per_request(runs: list[dict]) -> dict[str, float]:
-    """Median over runs of microseconds per request, by counter."""
-    vals: dict[str, list[float]] = {}
+def per_request(runs: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
+    """Medians over runs of microseconds and of calls per request, by counter (summed over the run's processes:
+    a function runs in one of them)."""
+    us: dict[str, list[float]] = {}
+    calls: dict[str, list[float]] = {}
     for run in runs:
-        tot: dict[str, float] = {}
+        tot: dict[str, list] = {}
         for stats in run["procs"].values():
-            for k, (_, sec) in stats.items():
-                tot[k] = tot.get(k, 0.0) + sec
-        for k, sec in tot.items():
-            vals.setdefault(k, []).append(1e6 * sec / run["requests"])
-    return {k: statistics.median(x) for k, x in vals.items()}
+            for k, (n, sec) in stats.items():
+                t = tot.setdefault(k, [0, 0.0])
+                t[0] += n
+                t[1] += sec
+        for k, (n, sec) in tot.items():
+            us.setdefault(k, []).append(1e6 * sec / run["requests"])
+            calls.setdefault(k, []).append(n / run["requests"])
+    return ({k: statistics.median(x) for k, x in us.items()}, {k: statistics.median(x) for k, x in calls.items()})
 
 
 def plot(res: dict, variants: list[str], inflights: list[int], out: Path) -> None:
@@ -208,7 +215,7 @@ def plot(res: dict, variants: list[str], inflights: list[int], out: Path) -> Non
     for ax, k in zip(axes[0], inflights):
         y = range(len(PARTS))
         for i, v in enumerate(shown):
-            per = per_request([r for r in res["runs"] if r["variant"] == v and r["inflight"] == k])
+            per, _ = per_request([r for r in res["runs"] if r["variant"] == v and r["inflight"] == k])
             vals = [sum(per.get(a, 0.0) for a in add) - sum(per.get(b, 0.0) for b in sub)
                     for add, sub in PARTS.values()]
             h = 0.8 / len(shown)
@@ -227,24 +234,9 @@ def report(runs: dict[str, list[dict]], inflight: int) -> None:
     variants = list(runs)
     print(f"\n{inflight} in flight; tokens/s (median of {len(next(iter(runs.values())))} runs): "
           + ", ".join(f"{v} {statistics.median(r['rate'] for r in runs[v]):.0f}" for v in variants))
-    # us per request per function, summed over the variant's processes (a function runs in one process)
-    per: dict[str, dict[str, float]] = {v: {} for v in variants}
-    calls: dict[str, dict[str, float]] = {v: {} for v in variants}
+    per, calls = {}, {}
     for v in variants:
-        vals: dict[str, list[float]] = {}
-        cnt: dict[str, list[float]] = {}
-        for run in runs[v]:
-            tot: dict[str, list] = {}
-            for stats in run["procs"].values():
-                for k, (n, s) in stats.items():
-                    t = tot.setdefault(k, [0, 0.0])
-                    t[0] += n
-                    t[1] += s
-            for k, (n, s) in tot.items():
-                vals.setdefault(k, []).append(1e6 * s / run["requests"])
-                cnt.setdefault(k, []).append(n / run["requests"])
-        per[v] = {k: statistics.median(x) for k, x in vals.items()}
-        calls[v] = {k: statistics.median(x) for k, x in cnt.items()}
+        per[v], calls[v] = per_request(runs[v])
     names = sorted(set().union(*per.values()))
     base = variants[0]
     names.sort(key=lambda k: -max(abs(per[v].get(k, 0.0) - per[base].get(k, 0.0)) for v in variants))

@@ -67,7 +67,6 @@ TARGETS: dict[str, list[str]] = {
 }
 
 if _DIR:
-    import atexit
     import importlib.abc
     import importlib.util
     import json
@@ -149,4 +148,3 @@ if _DIR:
         _dumps[0] += 1
 
     signal.signal(SIGNAL, _dump)
-    atexit.register(lambda: None)

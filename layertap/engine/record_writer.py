@@ -463,17 +463,18 @@ class WorkerSide:
                 return
             reservations.append(res)
         t = self._lap("reserve", t)
-        stream, copies, src, rb = copy_stream, self.copies, rows.data_ptr(), self.row_bytes
+        copies, src, rb = self.copies, rows.data_ptr(), self.row_bytes
         queued = 0
         try:
             for (a, n), res in zip(spans, reservations):
-                copies.copy(self.region_ptr + res.offsets["hidden_states"], src + a * rb, n * rb, RawCopies.D2H, stream)
+                copies.copy(self.region_ptr + res.offsets["hidden_states"], src + a * rb, n * rb, RawCopies.D2H,
+                            copy_stream)
             for res in reservations:  # after every payload: an error above leaves nothing committed
-                copies.copy(self.region_ptr + res.state_at, self.commit_word_ptr, 4, RawCopies.D2H, stream)
+                copies.copy(self.region_ptr + res.state_at, self.commit_word_ptr, 4, RawCopies.D2H, copy_stream)
                 res.handed_to_device()
                 queued += 1
             done = self.done_events.pop() if self.done_events else copies.event(blocking=True)
-            done.record(stream)
+            done.record(copy_stream)
         except BaseException:  # the engine stops on it; the rows stay held by record_stream either way
             _abort(reservations[queued:])
             self._unstage(nbytes)
