@@ -30,6 +30,9 @@ out), within the noise on 2026-12-06 (RESULTS, sixth session);
     capture            layertap capture (default: hook path, vLLM's default scheduling, records written in
                        place in the shm pool and committed on the device: a commit word copied after each
                        payload, no engine thread waits for the copies)
+    capture-inproc     capture with the step thread reserving, copying and committing each record itself (connector
+                       option offload=False), as before the record process (engine/record_proc.py): capture /
+                       capture-inproc is what moving that work off the engine's thread buys
     capture-raw        the capture engine and transport of ``capture``, driven like plain (no Tap loop, no
                        proof; a thread takes the records off the transport): capture / capture-raw is the
                        Tap's share of the gap, capture-raw / plain the engine's and the record path's
@@ -541,6 +544,8 @@ VARIANTS = {
     "floor": lambda m, d, a: Floor(m, d, a, **profiler_kwargs(a, "floor")),
     "floor-gather": lambda m, d, a: Floor(m, d, a, gather=True, **profiler_kwargs(a, "floor-gather")),
     "capture": lambda m, d, a: Capture(m, d, a, **profiler_kwargs(a, "capture")),
+    "capture-inproc": lambda m, d, a: Capture(m, d, a, connector_options={"offload": False},
+                                              **profiler_kwargs(a, "capture-inproc")),
     "capture-raw": lambda m, d, a: CaptureRaw(m, d, a, **profiler_kwargs(a, "capture-raw")),
     "capture-eager": lambda m, d, a: Capture(m, d, a, defer_records=False, **profiler_kwargs(a, "capture-eager")),
     "floor-extract": lambda m, d, a: Floor(m, d, a, path="extract", **profiler_kwargs(a, "floor-extract")),

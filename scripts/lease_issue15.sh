@@ -27,6 +27,7 @@
 #   serve: serving the 8B shape (SERVE_ROUNDS, 2) and the HF check of 8 served records on the GPU.
 #   profile: py-spy over every process of plain, floor and capture at 4 in flight, and the diffs.
 #   leantests: tests/gpu/test_lean_path.py, test_device_commit.py, test_streams.py (the CUDA record path, no engine).
+#   offtests: leantests, then the compiled engine against HF with the record process (tests/gpu/test_gpu_capture.py).
 #   stepprof: benchmarks/step_profile.py, the small model at 1 and 4 in flight: per function, microseconds per
 #      request in every engine process and the driver (plain-spawn, floor, capture side by side; ~5 min).
 # About 4 (machine, vLLM) + 8 (small) + 10 (big, three 8B engines) + 7 (pinned) min of device time; trace8b takes 7, serve 7. The call chain (a fresh machine; parts from
@@ -87,6 +88,15 @@ leantests() {  # the CUDA record path's own tests (no engine): gather order, ind
   timeout ${LEANTESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_lean_path.py \
     tests/gpu/test_device_commit.py tests/gpu/test_streams.py 2>&1 | tail -15 | tee "$OUT/leantests.txt" )
 el "lean path tests"
+}
+offtests() {  # the record process (engine/record_proc.py): the CUDA record path's tests with it and without, then
+  # the compiled engine against HF on the GPU with it (prefix caching, chunked prefill, generate mode)
+leantests
+( big_env
+  timeout ${OFFTESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_capture.py \
+    -k "matches_hf and compiled and not extract and not piecewise" 2>&1 | grep -v "^(EngineCore\|^(Worker\|^INFO" \
+    | tail -25 | tee "$OUT/offtests.txt" )
+el "record process tests"
 }
 stepprof() {  # deterministic per-function time per request in every engine process (benchmarks/step_profile.py):
   # plain-spawn, floor and capture side by side on the small model at 1 and 4 in flight; where the floor's and

@@ -193,9 +193,11 @@ class RawCopies:
             return None
         for path in sorted(paths):
             try:
-                return cls(ctypes.CDLL(path))
+                rt = cls(ctypes.CDLL(path))
             except (OSError, AttributeError):
                 continue
+            rt.path = path  # the record process loads the same library (record_proc)
+            return rt
         return None
 
     def copy(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:

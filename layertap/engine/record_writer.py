@@ -42,6 +42,14 @@ upload, gather kernel, the forward stream's wait); the transport reservations (s
 ids); the host copies and device commits queued on the copy stream."""
 
 
+class _DeviceBytes:
+    """Device memory this process allocated itself (the record process's staging ring), as torch takes it:
+    ``torch.as_tensor`` reads ``__cuda_array_interface__`` and views the memory, no copy."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+
+
 def _abort(reservations: list[Any]) -> None:
     """Give back transport memory reserved for records that will not be committed."""
     for res in reservations:
@@ -101,6 +109,13 @@ class WorkerSide:
         self.region_ptr = 0
         self.inflight: list[tuple[Any, int]] = []  # (copy event, device bytes) of device-committed groups
         self.pinned_region: torch.Tensor | None = None
+        # The lean path with a record process (connector option ``offload``, default on): the step thread only
+        # gathers into a device staging ring shared with that process and hands it a descriptor; the process
+        # reserves, copies and commits (``record_proc``). ``offload_staging_mb``: the ring's size.
+        self.offload_wanted = bool(c._extra.get("offload", True))
+        self.offload_mb = int(c._extra.get("offload_staging_mb", 512))
+        self.rp = None  # the RecordProcess, once started
+        self.ring_t: torch.Tensor | None = None
         # Benchmark aid only (benchmarks/capture_overhead.py "floor"): saves are reported done without
         # reading any row, which measures what the capture path costs the engine by itself.
         self.skip_reads = bool(c._extra.get("skip_reads", False))
@@ -202,6 +217,29 @@ class WorkerSide:
         self.done_events: list[Any] = []  # raw copy-completion events of reaped groups, for reuse
         self.commit_word_ptr = self.commit_word.data_ptr()
         self.lean = True
+        if self.offload_wanted:
+            self._open_offload()
+
+    def _open_offload(self) -> None:
+        """Start the record process (``record_proc``) with a staging ring on the view's device; where it cannot
+        start, say why and keep the in-process lean path."""
+        from layertap.engine.record_proc import IpcRuntime, RecordProcess, RecordProcessError
+
+        try:
+            self.rp = RecordProcess(
+                transport_cfg=self.transport_cfg, run_meta=self.run_meta, dtype_name=self.dtype_name,
+                n_planes=self.geo.n_planes, hidden=self.geo.hidden, row_bytes=self.row_bytes,
+                ring_bytes=self.offload_mb << 20, rt=IpcRuntime(self.copies.path), device=self.view.device.index or 0)
+        except (RecordProcessError, RuntimeError, OSError) as e:
+            log.warning("layertap worker: the record process did not start (%s); records are reserved, copied and "
+                        "committed on the step thread", e)
+            self.rp = None
+            return
+        self.ring_t = torch.as_tensor(_DeviceBytes(self.rp.ptr, self.rp.size), device=self.view.device
+                                      ).view(self.view.dtype)
+        self.block_elems = self.view[0].numel()
+        log.info("layertap worker: record process %d started (staging ring %d MiB on %s); the step thread gathers, "
+                 "the record process copies and commits", self.rp.proc.pid, self.rp.size >> 20, self.view.device)
 
     # ---- first-step slot check ----
     def check_unrun(self, meta: Any) -> None:
@@ -252,6 +290,8 @@ class WorkerSide:
     def _finished(self, meta: Any) -> set[str] | None:
         if self.error is not None:
             raise RuntimeError(f"layertap writer failed: {self.error}") from self.error
+        if self.rp is not None:
+            self.rp.check()  # a word of shared memory: raises by name once the record process failed
         if isinstance(meta, LayertapMetadata) and self.rank0 and meta.saves:
             if self.on_cuda and not self.skip_reads:
                 self._start_copies_cuda(meta.saves)
@@ -380,6 +420,9 @@ class WorkerSide:
         return t
 
     def _gather_group(self, group: list[SaveJob], lists: list[list[int]], nbytes: int) -> None:
+        if self.rp is not None:
+            self._gather_group_offload(group, lists, nbytes)
+            return
         if self.lean:
             self._gather_group_lean(group, lists, nbytes)
             return
@@ -482,6 +525,37 @@ class WorkerSide:
         self.sink.wake_consumer()  # one ring for the group: a consumer already waiting looks at once
         with self.staging:
             self.inflight.append((done, nbytes))  # staged bytes stay counted until the copies ran
+        self._lap("copies", t)
+
+    def _gather_group_offload(self, group: list[SaveJob], lists: list[list[int]], nbytes: int) -> None:
+        """The record process's share of the lean path: the gather on the forward stream into the staging ring
+        (so the blocks are released in this step, as on the lean path), an IPC event behind it, a descriptor
+        into the pipe; the process reserves, copies and commits (``record_proc``)."""
+        rp = self.rp
+        t = time.perf_counter()
+        pos = rp.alloc(nbytes)  # waits while the record process is behind (back-pressure), up to its limit
+        if pos is None:  # a group larger than the whole ring
+            self._gather_group_lean(group, lists, nbytes)
+            return
+        t = self._lap("staging", t)
+        fwd = torch.cuda.current_stream().cuda_stream
+        index = self.index_upload(lists, fwd)
+        off = (pos % rp.size) // self.view.element_size()
+        if self.geo.plane_axis == 2:  # blocks of [block, planes, hidden]: rows in order, gathered in place
+            n = index.shape[0]
+            out = self.ring_t[off:off + n * self.block_elems].view(n, *self.view.shape[1:])
+            torch.index_select(self.view, 0, index, out=out)
+        else:  # [planes, block, hidden] blocks: rows made contiguous, then placed
+            rows = gather_blocks(self.view, self.geo, index)
+            self.ring_t[off:off + rows.numel()].view(rows.shape).copy_(rows)
+        event = rp.record_event(fwd)
+        t = self._lap("gather", t)
+        spans = spans_of(lists, [job.num_rows for job in group], self.geo.view_block_size)
+        rp.send(pos, nbytes, event, [(job.key, a, n, job.token_ids, job.meta) for job, (a, n) in zip(group, spans)],
+                group[0].shared)
+        for job in group:
+            if job.release:
+                self.released.add(job.req_id)
         self._lap("copies", t)
 
     def _reserve_raw(self, job: SaveJob) -> Any:
@@ -620,6 +694,11 @@ class WorkerSide:
         if self.writer is not None and self.writer.is_alive():
             self.jobs.put(None)
             self.writer.join(timeout=60)
+        if self.rp is not None:  # it commits what it was handed, then exits; then its ring goes
+            log.info("layertap worker: the record process took %d groups; the step waited for ring room %d times",
+                     self.rp.sent, self.rp.waits)
+            self.rp.close()
+            self.rp, self.ring_t = None, None
         if self.pinned_region is not None:
             torch.cuda.synchronize()
             unregister_host(self.pinned_region)

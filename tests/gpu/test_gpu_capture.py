@@ -85,6 +85,8 @@ def test_capture_matches_hf_in_bf16(model, mode, capfd):
         assert "declares UNIFORM_BATCH CUDA-graph support" in text
         assert "setting cudagraph_mode=PIECEWISE" not in text, "vLLM still fell back to PIECEWISE graphs"
         assert "decode steps run with FULL CUDA graphs" in text  # the connector's own start-up report
+        # the records were copied and committed by the record process (record_proc), not the step thread
+        assert "the record process copies and commits" in text and "record process did not start" not in text
     if mode == "compiled-piecewise":
         assert "setting cudagraph_mode=PIECEWISE" in text, "the control kept FULL graphs"
         assert "decode steps run with PIECEWISE CUDA graphs" in text

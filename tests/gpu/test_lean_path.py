@@ -4,7 +4,9 @@ run through the worker's own ``finished`` into a real registered shm pool, no vL
 carry exactly its blocks' rows, also when the forward stream rewrites those blocks right after the step (the
 next forward's writes), when the ring of index buffers wraps while the GPU is behind, and it must not be
 visible before its payload landed. A control shows the rewrite test can fail: the same rewrite queued on
-another stream, not after the gather, corrupts the record."""
+another stream, not after the gather, corrupts the record. Each runs twice: with the record process
+(``record_proc``, the default: the step thread gathers into a staging ring shared through CUDA IPC, the process
+copies and commits) and with the step thread doing it all (connector option ``offload=False``)."""
 
 from __future__ import annotations
 
@@ -28,12 +30,22 @@ PLANES, HIDDEN, BS, BLOCKS, ROWS = 4, 512, 16, 256, 200
 SLEEP = 200_000_000  # GPU cycles (~0.1 s): holds a stream back so the host acts while work is queued
 
 
-@pytest.fixture
-def setup():
+OPTIONS = {"offload": {}, "in-process": {"offload": False}}
+"""The default (the record process reserves, copies and commits: ``record_proc``) and the step thread doing it all."""
+
+
+def make(options: dict):
     cfg = SHM.prepare({"slot_bytes": 4 << 20, "num_slots": 64, "checksum": "none"})
     src = SHM.make_source(cfg)
     view = torch.randn(BLOCKS, BS, PLANES, HIDDEN, device="cuda").to(torch.bfloat16)  # vLLM 0.25's layout
-    w = make_worker(view, HIDDEN, BS, cfg, [1, 2, 3, 4])
+    w = make_worker(view, HIDDEN, BS, cfg, [1, 2, 3, 4], options)
+    assert (w.rp is not None) == options.get("offload", True), "the record process did not start"
+    return w, src, view
+
+
+@pytest.fixture(params=list(OPTIONS))
+def setup(request):
+    w, src, view = make(OPTIONS[request.param])
     yield w, src, view
     torch.cuda.synchronize()
     w.close()
@@ -77,6 +89,7 @@ def assert_rows(src, want: dict) -> None:
 def test_the_lean_path_is_the_default_and_records_hold_their_blocks_rows(setup):
     w, src, view = setup
     assert w.lean, "the lean record path did not start (no CUDA runtime library mapped?)"
+    assert w.rp is not None or not w.offload_wanted
     rng = np.random.default_rng(0)
     want = {}
     for step in range(3):
@@ -142,11 +155,58 @@ def test_no_record_is_visible_before_its_payload_landed(setup):
     rng = np.random.default_rng(4)
     js = jobs(0, 2, rng)
     want = {j.key: expected(view, j) for j in js}
-    with torch.cuda.stream(w.copy_stream):
-        torch.cuda._sleep(SLEEP)  # the payload and commit copies wait behind this
-    w.finished(LayertapMetadata(saves=js))
+    if w.rp is None:
+        with torch.cuda.stream(w.copy_stream):
+            torch.cuda._sleep(SLEEP)  # the payload and commit copies wait behind this
+        w.finished(LayertapMetadata(saves=js))
+    else:  # the record process's copies wait for the gather (an IPC event), held back on the forward stream
+        torch.cuda._sleep(SLEEP)
+        w.finished(LayertapMetadata(saves=js))
+        time.sleep(0.03)  # the record process has the descriptor by now
     assert src.poll(0.0) == []  # queued, not landed: nothing visible
     assert_rows(src, want)
+
+
+def test_record_process_ring_wraps_waits_and_takes_groups_larger_than_itself_in_process():
+    """A 2 MiB staging ring: each one-record group (0.8 MiB) wraps it within three steps, so the step waits for
+    the record process to free room; a four-record group (3.3 MiB) never fits and takes the in-process lean
+    path. Every record holds its rows either way."""
+    w, src, view = make({"offload_staging_mb": 2})
+    try:
+        rng = np.random.default_rng(5)
+        want = {}
+        for step in range(12):
+            js = jobs(step, 1, rng)
+            want.update({j.key: expected(view, j) for j in js})
+            w.finished(LayertapMetadata(saves=js))
+        big = jobs(99, 4, rng)
+        want.update({j.key: expected(view, j) for j in big})
+        w.finished(LayertapMetadata(saves=big))
+        assert_rows(src, want)
+        assert w.rp.sent == 12 and w.rp.waits > 0
+    finally:
+        torch.cuda.synchronize()
+        w.close()
+        src.close()
+
+
+def test_a_record_process_killed_mid_run_fails_the_next_step_by_name():
+    import os
+    import signal
+
+    from layertap.engine.record_proc import RecordProcessError
+
+    w, src, view = make({})
+    try:
+        os.kill(w.rp.proc.pid, signal.SIGKILL)
+        w.rp.proc.wait(30)
+        with pytest.raises(RecordProcessError, match="gone"):
+            w.finished(LayertapMetadata(saves=jobs(0, 1, np.random.default_rng(6))))
+    finally:
+        w.rp.close(drain=False)
+        w.rp = None
+        w.close()
+        src.close()
 
 
 def test_a_raw_event_query_before_the_work_ran_leaves_no_error_behind():

@@ -98,7 +98,7 @@ def test_cuda_record_path_times_its_phases(monkeypatch):
     w.geo, w.row_bytes, w.ratio, w.num_manager_blocks = NS(view_block_size=16), 64, 1, 1000
     w.view, w.stream, w.copy_stream, w.commit_word = None, None, None, "word"
     w.error, w.released, w.inflight, w.rank0, w.on_cuda, w.skip_reads = None, set(), [], True, True, False
-    w.lean, w.gather_only = False, False  # the torch record path (tests/gpu/test_lean_path.py runs the lean one)
+    w.lean, w.gather_only, w.rp = False, False, None  # the torch record path (tests/gpu/test_lean_path.py runs the lean one)
     w.busy_s, w.calls, w.saved, w.phase_s = 0.0, 0, 0, dict.fromkeys(rw.PHASES, 0.0)
     rings = []
     w.writer, w.pinned_region, w.sink = None, None, NS(close=lambda: None, wake_consumer=lambda: rings.append(1))

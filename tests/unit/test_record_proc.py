@@ -1,0 +1,157 @@
+"""The record process (``layertap.engine.record_proc``) run for real: a child process that takes descriptors from
+the engine's side, reserves slots in a real shm pool, copies rows out of the staging ring and commits. Here the
+ring is host memory (``staging="host"``), the seam for the device: the same process, protocol and pool code,
+with ``memmove`` for the CUDA copies; the CUDA ring, IPC events and copies run on the GPU in
+tests/gpu/test_lean_path.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from layertap.engine.record_proc import ALIGN, RecordProcess, RecordProcessError
+from layertap.records import LAYER_SEMANTICS, token_digest
+from layertap.transport.base import get_transport
+
+SHM = get_transport("shm")
+PLANES, HIDDEN = 2, 64
+ROW_BYTES = PLANES * HIDDEN * 4  # float32
+RUN_META = {"model": "/tmp/m", "config_hash": "0" * 16, "vllm_version": "none", "format_version": 1}
+SHARED = {"layer_ids": [1, 2], "layer_semantics": LAYER_SEMANTICS, "cache_group": {"index": 1}}
+
+
+@pytest.fixture
+def pool():
+    cfg = SHM.prepare({"slot_bytes": 64 << 10, "num_slots": 32, "checksum": "none"})
+    src = SHM.make_source(cfg)
+    yield {**cfg, "backend": "shm"}, src
+    src.close()
+    SHM.cleanup(cfg)
+
+
+def start(tcfg, ring_bytes=1 << 20, **kw) -> RecordProcess:
+    return RecordProcess(transport_cfg=tcfg, run_meta=RUN_META, dtype_name="float32", n_planes=PLANES, hidden=HIDDEN,
+                         row_bytes=ROW_BYTES, ring_bytes=ring_bytes, staging="host", start_timeout=60, **kw)
+
+
+def group(rp: RecordProcess, rng, step: int, counts: list[int], spans=None) -> dict:
+    """Rows for one group written into the ring as the gather would, and the descriptor sent; returns the
+    expected records by key."""
+    nbytes = sum(counts) * ROW_BYTES
+    pos = rp.alloc(nbytes)
+    off = pos % rp.size
+    rows = rng.standard_normal((sum(counts), PLANES, HIDDEN), dtype=np.float32)
+    rp.ring_np[off:off + nbytes] = rows.view(np.uint8).reshape(-1)
+    items, want, a = [], {}, 0
+    for r, n in enumerate(counts):
+        key = f"t:{step}-{r}"
+        ids = rng.integers(0, 1000, size=n, dtype=np.int64)
+        meta = {"key": key, "request_id": f"{step}-{r}", "index": step * 10 + r, "mode": "prompt", "num_tokens": n,
+                "num_prompt_tokens": n, "token_digest": token_digest(ids), "run": "t", "loss_spans": spans}
+        items.append((key, a, n, ids, meta))
+        want[key] = (rows[a:a + n].copy(), ids, meta)
+        a += n
+    rp.send(pos, nbytes, 0, items, SHARED)
+    return want
+
+
+def take(src, n: int, timeout: float = 30.0) -> dict:
+    got, deadline = {}, time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        for rec in src.poll(0.2):
+            got[rec.key] = rec
+    assert len(got) == n, f"{len(got)} of {n} records arrived"
+    return got
+
+
+def check(got: dict, want: dict) -> None:
+    for key, (rows, ids, meta) in want.items():
+        rec = got[key]
+        assert torch.equal(rec.hidden_states, torch.from_numpy(rows)), key
+        assert rec.token_ids.tolist() == ids.tolist()
+        assert rec.meta["token_digest"] == meta["token_digest"]
+        assert rec.meta["layer_ids"] == [1, 2] and rec.meta["model"] == "/tmp/m" and rec.meta["dtype"] == "float32"
+        if meta["loss_spans"]:
+            mask = np.zeros(len(ids), dtype=np.uint8)
+            for a, b in meta["loss_spans"]:
+                mask[a:b] = 1
+            assert rec.loss_mask.to(torch.uint8).tolist() == mask.tolist()
+        rec.release()
+
+
+def test_records_carry_their_rows_ids_and_manifest(pool):
+    tcfg, src = pool
+    rp = start(tcfg)
+    try:
+        rng = np.random.default_rng(0)
+        want = {}
+        for step in range(4):
+            want.update(group(rp, rng, step, [5, 17, 1][: step + 1], spans=[[1, 3]] if step % 2 else None))
+        check(take(src, len(want)), want)
+        rp.check()
+    finally:
+        rp.close()
+    assert rp.proc.returncode == 0
+
+
+def test_the_ring_wraps_and_the_step_waits_for_room(pool):
+    tcfg, src = pool
+    rp = start(tcfg, ring_bytes=4 * ALIGN)  # a group of 7 rows takes 2 of the 4 pages: every other one waits
+    try:
+        rng = np.random.default_rng(1)
+        want = {}
+        for step in range(12):  # nothing is taken off the pool meanwhile: 12 records fit its 32 slots
+            want.update(group(rp, rng, step, [7]))
+        check(take(src, len(want)), want)
+        assert rp.waits > 0
+    finally:
+        rp.close()
+
+
+def test_close_commits_everything_handed_over(pool):
+    tcfg, src = pool
+    rp = start(tcfg)
+    rng = np.random.default_rng(2)
+    want = {}
+    for step in range(6):
+        want.update(group(rp, rng, step, [3, 4]))
+    rp.close()  # at once: the process drains the pipe before it exits
+    assert rp.proc.returncode == 0
+    check(take(src, len(want)), want)
+    assert not os.path.exists(rp.ctrl_path)
+
+
+def test_an_error_in_the_process_is_raised_by_name_on_the_next_step(pool):
+    tcfg, _ = pool
+    rp = start(tcfg)
+    try:
+        pos = rp.alloc(ROW_BYTES)
+        bad = "k" * 4096  # longer than a pool slot's key field
+        rp.send(pos, ROW_BYTES, 0, [(bad, 0, 1, np.zeros(1, dtype=np.int64), {"key": bad})], SHARED)
+        rp.proc.wait(30)
+        with pytest.raises(RecordProcessError, match="shm limit"):
+            rp.check()
+    finally:
+        rp.close(drain=False)
+
+
+def test_a_dead_process_fails_the_next_handover_by_name(pool):
+    tcfg, _ = pool
+    rp = start(tcfg)
+    try:
+        os.kill(rp.proc.pid, signal.SIGKILL)
+        rp.proc.wait(30)
+        with pytest.raises(RecordProcessError, match="gone"):
+            group(rp, np.random.default_rng(3), 0, [2])
+    finally:
+        rp.close(drain=False)
+
+
+def test_a_process_that_cannot_start_says_why():
+    with pytest.raises(RecordProcessError, match="no-such-backend"):
+        start({"backend": "no-such-backend"})
