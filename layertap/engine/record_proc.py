@@ -134,11 +134,12 @@ class IpcRuntime:
     def mem_handle(self, ptr: int) -> bytes:
         h = _Handle()
         self.check(self._mem_handle(ctypes.byref(h), ptr), "cudaIpcGetMemHandle")
-        return bytes(h.reserved)
+        return bytes(h)  # all 64 bytes (the field itself reads as a C string: cut at the first NUL)
 
     def open_mem(self, handle: bytes) -> int:
         p = ctypes.c_void_p()
-        self.check(self._open_mem(ctypes.byref(p), _Handle(handle), self.IPC_LAZY_PEER_ACCESS), "cudaIpcOpenMemHandle")
+        self.check(self._open_mem(ctypes.byref(p), _Handle.from_buffer_copy(handle),
+                                   self.IPC_LAZY_PEER_ACCESS), "cudaIpcOpenMemHandle")
         return int(p.value)
 
     def close_mem(self, ptr: int) -> None:
@@ -154,13 +155,13 @@ class IpcRuntime:
         ev = RawEvent(self.rc, h.value)
         eh = _Handle()
         self.check(self._ev_handle(ctypes.byref(eh), ev.handle), "cudaIpcGetEventHandle")
-        return ev, bytes(eh.reserved)
+        return ev, bytes(eh)
 
     def open_event(self, handle: bytes) -> Any:
         from layertap.engine.gpu_gather import RawEvent
 
         h = ctypes.c_void_p()
-        self.check(self._open_ev(ctypes.byref(h), _Handle(handle)), "cudaIpcOpenEventHandle")
+        self.check(self._open_ev(ctypes.byref(h), _Handle.from_buffer_copy(handle)), "cudaIpcOpenEventHandle")
         return RawEvent(self.rc, h.value)
 
     def set_device(self, index: int) -> None:
@@ -421,22 +422,27 @@ class _Writer:
         self.shared: dict[str, Any] = {}
         self.sink = get_transport(cfg["transport"]["backend"]).make_sink(
             cfg["transport"], f"{socket.gethostname()}-{os.getpid()}-records")
-        region = self.sink.data_region()
-        self.region_np = region.numpy()
-        self.region_ptr = region.data_ptr()
-        self.region_bytes = region.numel()
         self.cuda = cfg["staging"] == "cuda"
-        if self.cuda:
-            self.rt = IpcRuntime(cfg["cudart"])
-            self.rt.set_device(cfg["device"])
-            self.ring_ptr = self.rt.open_mem(cfg["ring_handle"])
-            self.events = [self.rt.open_event(h) for h in cfg["event_handles"]]
-            self.stream = self.rt.stream()
-            self.rt.host_register(self.region_ptr, self.region_bytes)
-            self.done = self.rt.rc.event(blocking=True)
-        else:
-            self.ring_np = np.memmap(cfg["ring_path"], dtype=np.uint8, mode="r", shape=(cfg["ring_bytes"],))
-        self.pending: list[Any] = []
+        self.registered = self.ring_ptr = 0
+        try:  # a set-up that fails leaves the pool without this writer (the consumer would call it dead)
+            region = self.sink.data_region()
+            self.region_np = region.numpy()
+            self.region_ptr = region.data_ptr()
+            self.region_bytes = region.numel()
+            if self.cuda:
+                self.rt = IpcRuntime(cfg["cudart"])
+                self.rt.set_device(cfg["device"])
+                self.ring_ptr = self.rt.open_mem(cfg["ring_handle"])
+                self.events = [self.rt.open_event(h) for h in cfg["event_handles"]]
+                self.stream = self.rt.stream()
+                self.rt.host_register(self.region_ptr, self.region_bytes)
+                self.registered = 1
+                self.done = self.rt.rc.event(blocking=True)
+            else:
+                self.ring_np = np.memmap(cfg["ring_path"], dtype=np.uint8, mode="r", shape=(cfg["ring_bytes"],))
+        except BaseException:
+            self.close()
+            raise
 
     def manifest(self, n: int, meta: dict[str, Any]) -> tuple[dict[str, tuple], dict[str, Any], Any]:
         import torch
@@ -497,8 +503,9 @@ class _Writer:
 
     def close(self) -> None:
         self.sink.close()
-        if self.cuda:
+        if self.registered:
             self.rt.host_unregister(self.region_ptr)
+        if self.ring_ptr:
             self.rt.close_mem(self.ring_ptr)
 
 
