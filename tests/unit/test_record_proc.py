@@ -155,3 +155,25 @@ def test_a_dead_process_fails_the_next_handover_by_name(pool):
 def test_a_process_that_cannot_start_says_why():
     with pytest.raises(RecordProcessError, match="no-such-backend"):
         start({"backend": "no-such-backend"})
+
+
+def test_a_set_up_that_fails_after_joining_the_pool_leaves_no_dead_writer_behind(pool, tmp_path):
+    """The record process joins the pool as a writer first; a set-up step after that which fails (here the ring's
+    file is missing; on the GPU, an IPC handle that does not open) must close that writer, or the consumer
+    reports it dead and fails the run (seen on the H100 on 2026-12-06 before the fix)."""
+    from layertap.engine.record_proc import CTRL_WORDS, _Writer
+    from layertap.transport import shm_pool as sp
+
+    tcfg, src = pool
+    ctrl = tmp_path / "ctrl"
+    ctrl.write_bytes(bytes(8 * CTRL_WORDS))
+    cfg = {"ctrl": str(ctrl), "ring_bytes": 1 << 20, "staging": "host", "ring_path": str(tmp_path / "missing"),
+           "transport": tcfg, "run_meta": RUN_META, "dtype": "float32", "n_planes": PLANES, "hidden": HIDDEN,
+           "row_bytes": ROW_BYTES}
+    with pytest.raises(FileNotFoundError):
+        _Writer(cfg)
+    names = {i: src.pool.writer(i)[3] for i in range(sp.MAX_WRITERS) if src.pool.writer(i)[0] != sp.W_EMPTY}
+    mine = [i for i, name in names.items() if name.endswith(f"-{os.getpid()}-records")]
+    assert mine, "the writer never joined the pool: the test did not reach the step under test"
+    assert all(src.pool.writer(i)[0] == sp.W_CLOSED for i in mine)  # not left active, to be found dead
+    assert src.poll(0.0) == []
