@@ -140,7 +140,7 @@ def run_config(args, records: int, busy_ms: float, dev: str) -> dict:
             while got < records:
                 for rec in src.poll(0.5):
                     want = next(j for j in jobs if j.key == rec.key)
-                    if token_digest(rec.token_ids.numpy()) != want.meta["token_digest"]:
+                    if token_digest(rec.token_ids.numpy()) != token_digest(want.token_ids):
                         raise SystemExit(f"record {rec.key}: token digest mismatch")
                     got += 1
                     rec.release()

@@ -419,10 +419,11 @@ class Tap:
             raise CaptureError("records matching no request of this run: "
                                + ", ".join(f"{k} (index {r.index})" for k, r in list(early.items())[:10]))
 
-    def _expected(self, out, it: InputItem, mode: str) -> dict[str, tuple[InputItem, list[int], str]]:
+    def _expected(self, out, it: InputItem, mode: str) -> dict[str, tuple[InputItem, list[int], str | None]]:
         """The record this finished request must deliver: its key -> (input, the token ids it must carry, the
-        engine's digest of them). The digests are compared when the record is proven (``_prove``), work that
-        waits while an engine output does; what is checked here needs no hashing."""
+        engine's digest of them where the engine sent one: this connector leaves hashing to the record's
+        writer, off the engine's thread). The digests are compared when the record is proven (``_prove``),
+        work that waits while an engine output does; what is checked here needs no hashing."""
         params = (out.kv_transfer_params or {}).get(PARAMS_KEY) if out.kv_transfer_params else None
         if params is None or params.get("status") != "saving":
             raise CaptureError(f"input {it.index} (request {out.request_id}) finished without a capture "
@@ -432,20 +433,24 @@ class Tap:
         else:
             comp = out.outputs[0]
             want = (list(it.token_ids) + list(comp.token_ids))[: params["num_rows"]]
-        return {params["key"]: (it, want, params["token_digest"])}
+        return {params["key"]: (it, want, params.get("token_digest"))}
 
     @staticmethod
-    def _check_engine_tokens(it: InputItem, want: list[int], digest: str) -> None:
-        """The engine's digest must be that of the tokens submitted (and, generating, those it returned)."""
-        if token_digest(want) != digest:
+    def _check_engine_tokens(it: InputItem, want: list[int], digest: str | None) -> str:
+        """The digest of the tokens submitted (and, generating, those the engine returned); the engine's own,
+        where it sent one, must equal it."""
+        expected = token_digest(want)
+        if digest is not None and expected != digest:
             raise CaptureError(f"input {it.index}: the engine's token ids for its request differ from the tokens "
                                "submitted")
+        return expected
 
-    def _prove(self, rec: Record, it: InputItem, want: list[int], digest: str) -> None:
-        """The record must carry exactly this request's tokens (sha256 of its token ids against that of the
-        tokens submitted, which the engine reported too); the first records get deeper checks."""
-        self._check_engine_tokens(it, want, digest)
-        if rec.checked_digest() != digest:  # hashed once, by the transport's check on delivery
+    def _prove(self, rec: Record, it: InputItem, want: list[int], digest: str | None) -> None:
+        """The record must carry exactly this request's tokens: the sha256 of its token ids (checked against
+        its manifest by the transport on delivery) against that of the tokens submitted and, generating,
+        returned by the engine for this request; the first records get deeper checks."""
+        expected = self._check_engine_tokens(it, want, digest)
+        if rec.checked_digest() != expected:  # hashed once, by the transport's check on delivery
             raise CaptureError(f"record {rec.key}: token ids differ from input {it.index}'s")
         if rec.index != it.index:
             raise CaptureError(f"record {rec.key}: index {rec.index} != input index {it.index}")

@@ -14,8 +14,9 @@ path was ~0.42 of capture's ~0.73 ms a request on a ~10 ms step). With the recor
      manifest fields) into a pipe.
 
 The record process (``python -m layertap.engine.record_proc``, one per writing worker, started by it) opened
-the ring and the events; for each descriptor its own stream waits on the event, it reserves the records'
-slots in the shm pool, writes their headers and token ids, copies the rows from the ring straight into the
+the ring and the events; for each descriptor its own stream waits on the event, it converts and hashes each
+record's token ids (``records.ids_and_digest``: the scheduler leaves that to the record's writer), reserves the
+records' slots in the shm pool, writes their headers and token ids, copies the rows from the ring straight into the
 page-locked slots, waits for the copies and commits. Then it advances the ring's *freed* position in a small
 shared control block, which is how the engine knows the ring space is reusable. Records become visible
 only when committed after their copies landed, as before; a record process that dies leaves its claimed
@@ -72,10 +73,10 @@ class RecordProcessError(RuntimeError):
 
 
 def _records_lib():  # imported lazily: the record process needs them, the engine already has them
-    from layertap.records import MetaTemplate, layout
+    from layertap.records import MetaTemplate, ids_and_digest
     from layertap.transport.base import get_transport
 
-    return MetaTemplate, layout, get_transport
+    return MetaTemplate, ids_and_digest, get_transport
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -320,8 +321,8 @@ class RecordProcess:
         return i
 
     def send(self, pos: int, nbytes: int, event: int, items: list[tuple], shared: dict[str, Any]) -> None:
-        """Hand one gathered group to the record process: ``items`` of (key, first row, rows, token ids
-        (int64), the record's own manifest fields); ``shared``: the fields every record of this engine
+        """Hand one gathered group to the record process: ``items`` of (key, first row, rows, token ids (a
+        list, or int64), the record's own manifest fields, which get the ids' digest there if they lack it); ``shared``: the fields every record of this engine
         carries (sent again only when it is a new dict)."""
         if shared is self._shared_sent:
             shared_out = None
@@ -411,7 +412,7 @@ class _Writer:
     def __init__(self, cfg: dict[str, Any]):
         import torch
 
-        MetaTemplate, self.layout, get_transport = _records_lib()
+        MetaTemplate, self.ids_and_digest, get_transport = _records_lib()
         self.MetaTemplate = MetaTemplate
         self.cfg = cfg
         self.ctrl = _map_ctrl(cfg["ctrl"])
@@ -479,6 +480,8 @@ class _Writer:
         reservations: list[Any] = []
         try:
             for key, a, n, token_ids, meta in items:
+                if "token_digest" not in meta:  # the scheduler left the conversion and the hash to the writer
+                    token_ids, meta["token_digest"] = self.ids_and_digest(token_ids)
                 res = self.reserve(key, n, meta, deadline)
                 reservations.append(res)
                 o, m = res.offsets["token_ids"], res.offsets.get("loss_mask")

@@ -29,7 +29,7 @@ from layertap.engine.gpu_gather import (
     unregister_host,
 )
 from layertap.engine.saves import LayertapMetadata, SaveJob, SlotCheckError
-from layertap.records import MetaTemplate
+from layertap.records import MetaTemplate, ids_and_digest
 from layertap.transport.base import get_transport
 
 log = logging.getLogger("vllm.layertap")
@@ -308,13 +308,22 @@ class WorkerSide:
             specs["loss_mask"] = (torch.uint8, (job.num_rows,))
         return specs
 
+    @staticmethod
+    def _prepare(job: SaveJob) -> None:
+        """The record's token ids as int64 and their digest in its manifest, made once, by its writer (the
+        scheduler hands the ids as it has them: ``SaveJob.token_ids``)."""
+        if "token_digest" not in job.meta:
+            job.token_ids, job.meta["token_digest"] = ids_and_digest(job.token_ids)
+
     def _record_layout(self, job: SaveJob) -> tuple[dict[str, tuple], dict[str, Any]]:
         """The record's tensor specs and its whole manifest (the staged paths, which ``put`` a record)."""
+        self._prepare(job)
         return self._specs(job), {**self.run_meta, **job.shared, **job.meta, "dtype": self.dtype_name}
 
     def _manifest(self, job: SaveJob) -> tuple[dict[str, tuple], dict[str, Any], MetaTemplate | None]:
         """What a reservation lays out: the specs, the record's own fields and the shared ones' template (the
         manifest ``_record_layout`` gives, without encoding the shared fields per record)."""
+        self._prepare(job)
         if "dtype" in job.meta:  # the writer's field wins, as in _record_layout: no template then
             return (*self._record_layout(job), None)
         return self._specs(job), job.meta, self._template(job)

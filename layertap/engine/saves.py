@@ -10,7 +10,7 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from layertap.engine import compat
-from layertap.records import LAYER_SEMANTICS, sha256_hex, token_bytes
+from layertap.records import LAYER_SEMANTICS
 
 PARAMS_KEY = "layertap"  # kv_transfer_params[PARAMS_KEY] marks a request for capture
 
@@ -28,7 +28,9 @@ class SaveJob:
     req_id: str
     key: str
     block_ids: list[int]
-    token_ids: np.ndarray  # int64, converted once in the scheduler: the digest and the record's field read it
+    token_ids: list[int] | np.ndarray
+    """The record's token ids as the scheduler has them (a list): the record's writer converts them once and
+    hashes them (``records.ids_and_digest``), off the scheduler's step (on CUDA in the record process)."""
     num_rows: int
     meta: dict[str, Any]  # the record's own manifest fields
     release: bool = True  # report the blocks free once read (False: a prompt saved before its request ends)
@@ -145,26 +147,24 @@ class SchedulerSide:
         n = len(prompt)
         job = self._job(rid, params, "prompt", prompt, n, None, list(self.blocks.get(rid, [])))
         job.release = False  # the request runs on; its blocks are the scheduler's to free
-        self.saved_early[rid] = {"status": "saving", "key": job.key, "num_rows": n,
-                                 "token_digest": job.meta["token_digest"]}
+        self.saved_early[rid] = {"status": "saving", "key": job.key, "num_rows": n}
         return job
 
     def _job(self, rid: str, params: dict, mode: str, token_ids: list[int], n_prompt: int,
              next_token: int | None, block_ids: list[int]) -> SaveJob:
         n_rows = len(token_ids)
-        # One conversion of the token list per record, on the engine's step: the digest hashes these bytes
-        # and the worker copies them into the record as is (converting the list twice cost ~3% of a
-        # CPU-bound engine's step time at 256 requests in flight, profiled on the H200).
-        raw = token_bytes(token_ids)
-        ids = np.frombuffer(raw, dtype="<i8")  # read-only: the worker only copies it
+        # No conversion or hash of the tokens here: the record's writer makes both (``records.ids_and_digest``;
+        # on CUDA the record process, off the engine's thread, where they cost ~70 us a 1k-token record on
+        # the H100 hosts' step thread, benchmarks/step_profile.py 2026-12-06). The Tap hashes the tokens it
+        # submitted and compares them with the record's digest, which the transport checks against its ids.
         key = f"{params.get('run', 'run')}:{rid}"
         meta = {
             "key": key, "request_id": rid, "index": int(params.get("index", -1)), "mode": mode,
             "num_tokens": n_rows, "num_prompt_tokens": min(n_prompt, n_rows),
-            "token_digest": sha256_hex(raw), "next_token_id": next_token,
+            "next_token_id": next_token,
             **{k: v for k, v in params.items() if k in ("sample", "run", "loss_spans")},
         }
-        return SaveJob(rid, key, block_ids, ids, n_rows, meta, shared=self.shared)
+        return SaveJob(rid, key, block_ids, token_ids, n_rows, meta, shared=self.shared)
 
     def finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         rid = request.request_id
@@ -194,6 +194,5 @@ class SchedulerSide:
         job = self._job(rid, params, mode, all_ids[:n_rows], n_prompt,
                         all_ids[n_rows] if n_rows < len(all_ids) else None, block_ids)
         self.pending.append(job)
-        return True, {PARAMS_KEY: {"status": "saving", "key": job.key, "num_rows": n_rows,
-                                   "token_digest": job.meta["token_digest"]}}
+        return True, {PARAMS_KEY: {"status": "saving", "key": job.key, "num_rows": n_rows}}
 

@@ -177,3 +177,25 @@ def test_a_set_up_that_fails_after_joining_the_pool_leaves_no_dead_writer_behind
     assert mine, "the writer never joined the pool: the test did not reach the step under test"
     assert all(src.pool.writer(i)[0] == sp.W_CLOSED for i in mine)  # not left active, to be found dead
     assert src.poll(0.0) == []
+
+
+def test_the_process_converts_and_hashes_token_ids_the_scheduler_left_as_a_list(pool):
+    """The scheduler hands a record's token ids as it has them (a list) and no digest (``SaveJob.token_ids``); the
+    record process writes them as int64 and puts their sha256 in the manifest, which the transport checks on
+    delivery against the ids."""
+    tcfg, src = pool
+    rp = start(tcfg)
+    try:
+        ids = [7, 3, 99999, 0, 5]
+        pos = rp.alloc(len(ids) * ROW_BYTES)
+        rows = np.random.default_rng(4).standard_normal((len(ids), PLANES, HIDDEN), dtype=np.float32)
+        rp.ring_np[pos % rp.size:pos % rp.size + rows.nbytes] = rows.view(np.uint8).reshape(-1)
+        meta = {"key": "t:list", "request_id": "list", "index": 0, "mode": "prompt", "num_tokens": len(ids),
+                "num_prompt_tokens": len(ids), "run": "t"}
+        rp.send(pos, rows.nbytes, 0, [("t:list", 0, len(ids), ids, meta)], SHARED)
+        rec = take(src, 1)["t:list"]
+        assert rec.token_ids.tolist() == ids and rec.meta["token_digest"] == token_digest(ids)
+        assert torch.equal(rec.hidden_states, torch.from_numpy(rows))
+        rec.release()
+    finally:
+        rp.close()

@@ -1,5 +1,6 @@
 """The Tap's proof that a record belongs to its request (``Tap._prove``): sha256 of the record's token ids
-against the digest the engine reported for the request, which must itself be that of the tokens submitted.
+against that of the tokens submitted, and against the digest the engine reported for the request where it
+reported one (layertap's connector leaves hashing to the record's writer and reports none).
 Real records (built as the transports build them); the Tap's state is the few fields the proof reads."""
 
 from types import SimpleNamespace
@@ -21,7 +22,7 @@ def _record(ids: list[int], index: int = 3, layers=(1, 2)) -> Record:
                   num_prompt_tokens=len(ids), meta=meta)
 
 
-def _prove(rec: Record, it: InputItem, want: list[int], digest: str) -> None:
+def _prove(rec: Record, it: InputItem, want: list[int], digest: str | None) -> None:
     tap = SimpleNamespace(layers=[1, 2], check_first=0, _checked=0, _check_engine_tokens=Tap._check_engine_tokens)
     Tap._prove(tap, rec, it, want, digest)
 
@@ -69,3 +70,10 @@ def test_a_checked_record_is_proven_on_the_digest_its_check_computed(monkeypatch
     with pytest.raises(CaptureError, match="token ids differ from input 3"):
         _prove(rec, InputItem(index=3, token_ids=ids), ids, token_digest(ids))
     assert calls == [1]
+
+
+def test_without_an_engine_digest_the_record_is_proven_against_the_tokens_submitted():
+    ids = [5, 6, 7, 8]
+    _prove(_record(ids), InputItem(index=3, token_ids=ids), ids, None)
+    with pytest.raises(CaptureError, match="record run:3: token ids differ from input 3"):
+        _prove(_record([5, 6, 7, 9]), InputItem(index=3, token_ids=ids), ids, None)
