@@ -269,6 +269,7 @@ class RecordProcess:
             time.sleep(0.01)
         if self.ctrl[READY] < 0:
             raise RecordProcessError(f"the record process failed to start: {self.error_text()}")
+        os.unlink(self.ctrl_path)  # both processes have it mapped: no name is left behind if either is killed
 
     def error_text(self) -> str:
         try:
@@ -363,7 +364,7 @@ class RecordProcess:
             self.ptr = 0
         self.events = []
         self.ring_np = None
-        for p in (self.ctrl_path, self.ctrl_path + ".err", self.ring_path):
+        for p in (self.ctrl_path, self.ctrl_path + ".err", self.ring_path):  # whichever still exist
             if p:
                 try:
                     os.unlink(p)
