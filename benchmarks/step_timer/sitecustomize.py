@@ -117,6 +117,9 @@ if _DIR:
             self.inner.exec_module(module)
             _patch(module)
 
+        def __getattr__(self, name):  # the rest of the loader's interface (``python -m`` needs get_code)
+            return getattr(self.inner, name)
+
     class _Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
             if name not in TARGETS:

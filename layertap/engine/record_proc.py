@@ -552,5 +552,7 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run as the imported module, not a second copy of it named __main__
+    from layertap.engine.record_proc import main as _main
+
+    sys.exit(_main())

@@ -168,13 +168,15 @@ def test_no_record_is_visible_before_its_payload_landed(setup):
 
 
 def test_record_process_ring_wraps_waits_and_takes_groups_larger_than_itself_in_process():
-    """A 2 MiB staging ring: each one-record group (0.8 MiB) wraps it within three steps, so the step waits for
-    the record process to free room; a four-record group (3.3 MiB) never fits and takes the in-process lean
-    path. Every record holds its rows either way."""
+    """A 2 MiB staging ring: it holds two one-record groups (0.8 MiB each). The forward stream is held back, so
+    the record process cannot copy the first groups out before the third is gathered: that step must wait
+    for room (on the H100 an unheld run never filled the ring). A four-record group (3.3 MiB) never fits and
+    takes the in-process lean path. Every record holds its rows either way."""
     w, src, view = make({"offload_staging_mb": 2})
     try:
         rng = np.random.default_rng(5)
         want = {}
+        torch.cuda._sleep(SLEEP)  # every gather below is queued behind this, so is every copy out of the ring
         for step in range(12):
             js = jobs(step, 1, rng)
             want.update({j.key: expected(view, j) for j in js})

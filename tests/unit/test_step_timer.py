@@ -51,3 +51,15 @@ def test_without_the_variable_nothing_is_wrapped():
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip() == "False"
+
+
+def test_a_wrapped_module_still_runs_with_python_m(tmp_path):
+    """``python -m`` of a module the timer wraps (the record process, ``layertap.engine.record_proc``, is started
+    so): runpy asks the module's loader for its code, which the timer's loader must hand on. Without it the
+    record process failed to start under the step profile on the H100 (2026-12-06), and capture fell back to
+    the in-process path without a sign in the profile's output."""
+    env = {**os.environ, "LAYERTAP_STEP_TIMER": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks" / "step_timer"), str(ROOT)])}
+    p = subprocess.run([sys.executable, "-m", "layertap.engine.record_proc"], env=env, input=b"",
+                       capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stderr.decode()[-2000:]  # no configuration on stdin: it exits at once, cleanly
