@@ -48,6 +48,7 @@ import uuid
 from typing import Any
 
 import numpy as np
+import torch
 
 log = logging.getLogger("vllm.layertap")
 
@@ -396,9 +397,18 @@ def _read_msg(f: Any) -> Any:
     return pickle.loads(data)
 
 
+def record_specs(num_rows: int, dtype: Any, n_planes: int, hidden: int, loss_spans: Any) -> dict[str, tuple]:
+    """A record's tensors as (dtype, shape): its token ids, its rows and, with loss spans, its loss mask. Both
+    writers lay records out by these (``WorkerSide._specs``, the record process)."""
+    specs = {"token_ids": (torch.int64, (num_rows,)), "hidden_states": (dtype, (num_rows, n_planes, hidden))}
+    if loss_spans is not None:
+        specs["loss_mask"] = (torch.uint8, (num_rows,))
+    return specs
+
+
 def fill_arrays(ids: np.ndarray, mask: np.ndarray | None, token_ids: np.ndarray, num_rows: int,
                 loss_spans: Any) -> None:
-    """A record's token ids and loss mask, written into host arrays of its transport memory."""
+    """A record's token ids and loss mask, written into host arrays of its transport memory (both writers)."""
     if num_rows:
         ids[:] = token_ids
     if mask is not None:
@@ -411,8 +421,6 @@ class _Writer:
     """The record process's work: descriptors in, committed records out."""
 
     def __init__(self, cfg: dict[str, Any]):
-        import torch
-
         MetaTemplate, self.ids_and_digest, get_transport = _records_lib()
         self.MetaTemplate = MetaTemplate
         self.cfg = cfg
@@ -447,11 +455,7 @@ class _Writer:
             raise
 
     def manifest(self, n: int, meta: dict[str, Any]) -> tuple[dict[str, tuple], dict[str, Any], Any]:
-        import torch
-
-        specs = {"token_ids": (torch.int64, (n,)), "hidden_states": (self.dtype, (n, self.n_planes, self.hidden))}
-        if meta.get("loss_spans") is not None:
-            specs["loss_mask"] = (torch.uint8, (n,))
+        specs = record_specs(n, self.dtype, self.n_planes, self.hidden, meta.get("loss_spans"))
         if "dtype" in meta:  # the record's own field wins: no template (as WorkerSide._manifest)
             return specs, {**self.run_meta, **self.shared, **meta, "dtype": self.cfg["dtype"]}, None
         if self.template is None:

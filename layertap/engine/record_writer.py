@@ -28,6 +28,7 @@ from layertap.engine.gpu_gather import (
     spans_of,
     unregister_host,
 )
+from layertap.engine.record_proc import fill_arrays, record_specs
 from layertap.engine.saves import LayertapMetadata, SaveJob, SlotCheckError
 from layertap.records import MetaTemplate, ids_and_digest
 from layertap.transport.base import get_transport
@@ -302,11 +303,7 @@ class WorkerSide:
         return done or None
 
     def _specs(self, job: SaveJob) -> dict[str, tuple]:
-        specs = {"token_ids": (torch.int64, (job.num_rows,)),
-                 "hidden_states": (self.view.dtype, (job.num_rows, self.geo.n_planes, self.geo.hidden))}
-        if job.meta.get("loss_spans") is not None:
-            specs["loss_mask"] = (torch.uint8, (job.num_rows,))
-        return specs
+        return record_specs(job.num_rows, self.view.dtype, self.geo.n_planes, self.geo.hidden, job.meta.get("loss_spans"))
 
     @staticmethod
     def _prepare(job: SaveJob) -> None:
@@ -347,12 +344,7 @@ class WorkerSide:
     @staticmethod
     def _fill_arrays(ids: np.ndarray, mask: np.ndarray | None, job: SaveJob) -> None:
         """The record's token ids and loss mask, written into host arrays of its transport memory."""
-        if job.num_rows:
-            ids[:] = job.token_ids  # no temporary tensor per record
-        if mask is not None:
-            mask[:] = 0
-            for a, b in job.meta["loss_spans"]:
-                mask[a:b] = 1
+        fill_arrays(ids, mask, job.token_ids, job.num_rows, job.meta.get("loss_spans"))
 
     def _blocks(self, job: SaveJob) -> list[int]:
         """The view blocks holding the record's rows (its first ``num_rows`` positions), checked."""
