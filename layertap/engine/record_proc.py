@@ -50,10 +50,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from layertap.records import MetaTemplate, ids_and_digest
+from layertap.transport.base import TransportFull, get_transport
+
 log = logging.getLogger("vllm.layertap")
 
 # the control block: int64 words
-FREED, GROUPS, READY, ERROR, PID = 0, 1, 2, 3, 4
+FREED, READY, ERROR = 0, 1, 2
 CTRL_WORDS = 8
 ALIGN = 4096  # ring positions start at multiples of this
 PIPE_BYTES = 1 << 20
@@ -71,13 +74,6 @@ def _map_ctrl(path: str) -> np.ndarray:
 
 class RecordProcessError(RuntimeError):
     """The record process could not start, reported an error, died, or stopped making progress."""
-
-
-def _records_lib():  # imported lazily: the record process needs them, the engine already has them
-    from layertap.records import MetaTemplate, ids_and_digest
-    from layertap.transport.base import get_transport
-
-    return MetaTemplate, ids_and_digest, get_transport
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -208,7 +204,6 @@ class RecordProcess:
         self.staging = staging
         self.wait_timeout = wait_timeout
         self.head = 0  # next free ring position (monotonic bytes; the ring offset is head % size)
-        self.inflight = 0
         self.sent = 0
         self._shared_sent: Any = None
         self.waits = 0
@@ -421,8 +416,6 @@ class _Writer:
     """The record process's work: descriptors in, committed records out."""
 
     def __init__(self, cfg: dict[str, Any]):
-        MetaTemplate, self.ids_and_digest, get_transport = _records_lib()
-        self.MetaTemplate = MetaTemplate
         self.cfg = cfg
         self.ctrl = _map_ctrl(cfg["ctrl"])
         self.dtype = getattr(torch, cfg["dtype"])
@@ -459,12 +452,10 @@ class _Writer:
         if "dtype" in meta:  # the record's own field wins: no template (as WorkerSide._manifest)
             return specs, {**self.run_meta, **self.shared, **meta, "dtype": self.cfg["dtype"]}, None
         if self.template is None:
-            self.template = self.MetaTemplate({**self.run_meta, **self.shared, "dtype": self.cfg["dtype"]})
+            self.template = MetaTemplate({**self.run_meta, **self.shared, "dtype": self.cfg["dtype"]})
         return specs, meta, self.template
 
     def reserve(self, key: str, n: int, meta: dict[str, Any], deadline: float) -> Any:
-        from layertap.transport.base import TransportFull
-
         specs, fields, tmpl = self.manifest(n, meta)
         while True:
             res = self.sink.reserve(key, specs, fields, template=tmpl, views=False)
@@ -486,7 +477,7 @@ class _Writer:
         try:
             for key, a, n, token_ids, meta in items:
                 if "token_digest" not in meta:  # the scheduler left the conversion and the hash to the writer
-                    token_ids, meta["token_digest"] = self.ids_and_digest(token_ids)
+                    token_ids, meta["token_digest"] = ids_and_digest(token_ids)
                 res = self.reserve(key, n, meta, deadline)
                 reservations.append(res)
                 o, m = res.offsets["token_ids"], res.offsets.get("loss_mask")
@@ -506,7 +497,6 @@ class _Writer:
             raise
         for res in reservations:
             res.commit()
-        self.ctrl[GROUPS] += 1
         self.ctrl[FREED] = end  # the ring up to here is free again
 
     def close(self) -> None:
@@ -525,7 +515,6 @@ def main() -> int:
     logging.basicConfig(level=cfg.get("log_level", logging.INFO),
                         format="%(levelname)s %(asctime)s [record process] %(message)s")
     ctrl = _map_ctrl(cfg["ctrl"])
-    ctrl[PID] = os.getpid()
     w = None
     try:
         w = _Writer(cfg)

@@ -21,6 +21,7 @@ import torch
 from layertap.engine.saves import LayertapMetadata, SaveJob
 from layertap.records import LAYER_SEMANTICS, token_digest
 from layertap.transport.base import get_transport
+from tests.unit.transport_procs import take
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from record_path_cost import make_worker  # noqa: E402  (a WorkerSide as register leaves it, no engine)
@@ -68,15 +69,6 @@ def jobs(step: int, n: int, rng: np.random.Generator, spans=None) -> list[SaveJo
 
 def expected(view: torch.Tensor, job: SaveJob) -> torch.Tensor:
     return view[job.block_ids].reshape(-1, PLANES, HIDDEN)[:ROWS].cpu()
-
-
-def take(src, n: int, timeout: float = 30.0) -> dict:
-    got, deadline = {}, time.monotonic() + timeout
-    while len(got) < n and time.monotonic() < deadline:
-        for rec in src.poll(0.2):
-            got[rec.key] = rec
-    assert len(got) == n, f"{len(got)} of {n} records arrived"
-    return got
 
 
 def assert_rows(src, want: dict) -> None:

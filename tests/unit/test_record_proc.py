@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ import torch
 from layertap.engine.record_proc import ALIGN, RecordProcess, RecordProcessError
 from layertap.records import LAYER_SEMANTICS, token_digest
 from layertap.transport.base import get_transport
+from tests.unit.transport_procs import take
 
 SHM = get_transport("shm")
 PLANES, HIDDEN = 2, 64
@@ -58,15 +58,6 @@ def group(rp: RecordProcess, rng, step: int, counts: list[int], spans=None) -> d
         a += n
     rp.send(pos, nbytes, 0, items, SHARED)
     return want
-
-
-def take(src, n: int, timeout: float = 30.0) -> dict:
-    got, deadline = {}, time.monotonic() + timeout
-    while len(got) < n and time.monotonic() < deadline:
-        for rec in src.poll(0.2):
-            got[rec.key] = rec
-    assert len(got) == n, f"{len(got)} of {n} records arrived"
-    return got
 
 
 def check(got: dict, want: dict) -> None:

@@ -100,6 +100,16 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
         time.sleep(0.01)
 
 
+def take(src: Any, n: int, timeout: float = 30.0) -> dict:
+    """Poll ``src`` until ``n`` records arrived (by key), or fail the test naming how many did."""
+    got, deadline = {}, time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        for rec in src.poll(0.2):
+            got[rec.key] = rec
+    assert len(got) == n, f"{len(got)} of {n} records arrived"
+    return got
+
+
 def spawn(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(HERE), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
