@@ -33,6 +33,9 @@ out), within the noise on 2026-12-06 (RESULTS, sixth session);
     capture-inproc     capture with the step thread reserving, copying and committing each record itself (connector
                        option offload=False), as before the record process (engine/record_proc.py): capture /
                        capture-inproc is what moving that work off the engine's thread buys
+    capture-loud       capture with every step that runs no forward going through vLLM's connector round
+                       (connector option quiet_empty_steps=False): capture / capture-loud is what skipping the
+                       empty rounds buys (compat.install_quiet_empty_steps)
     capture-raw        the capture engine and transport of ``capture``, driven like plain (no Tap loop, no
                        proof; a thread takes the records off the transport): capture / capture-raw is the
                        Tap's share of the gap, capture-raw / plain the engine's and the record path's
@@ -546,6 +549,8 @@ VARIANTS = {
     "capture": lambda m, d, a: Capture(m, d, a, **profiler_kwargs(a, "capture")),
     "capture-inproc": lambda m, d, a: Capture(m, d, a, connector_options={"offload": False},
                                               **profiler_kwargs(a, "capture-inproc")),
+    "capture-loud": lambda m, d, a: Capture(m, d, a, connector_options={"quiet_empty_steps": False},
+                                            **profiler_kwargs(a, "capture-loud")),
     "capture-raw": lambda m, d, a: CaptureRaw(m, d, a, **profiler_kwargs(a, "capture-raw")),
     "capture-eager": lambda m, d, a: Capture(m, d, a, defer_records=False, **profiler_kwargs(a, "capture-eager")),
     "floor-extract": lambda m, d, a: Floor(m, d, a, path="extract", **profiler_kwargs(a, "floor-extract")),

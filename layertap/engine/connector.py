@@ -24,6 +24,8 @@ Worker side (each worker process; only TP rank 0 reads and writes):
     start_load_kv / wait_for_layer_load: no-ops
     has_connector_metadata()       -> False on steps without slot checks, so vLLM's wrapper around every
                                       attention layer skips its two connector calls (``quiet_layers``)
+    quiet_empty_step()             -> a step with no forward and nothing for layertap (no save, no check, nothing
+                                      to report) skips vLLM's connector round (``quiet_empty_steps``)
 
 Rows are read by *the request's own block ids*: for a prompt-mode request on the hook path in the step
 whose forward completes its prompt (its rows are final then, and its blocks are not held), otherwise when
@@ -63,6 +65,7 @@ log = logging.getLogger("vllm.layertap")  # under "vllm": shown by vLLM's own lo
 _OWNER_WATCH: list[threading.Thread] = []  # one per process
 
 QUIET_LAYERS_ENV = "LAYERTAP_QUIET_LAYERS"  # 0: vLLM's wrapper calls the connector around every layer, every step
+QUIET_EMPTY_ENV = "LAYERTAP_QUIET_EMPTY_STEPS"  # 0: a step with no forward always runs the connector's round
 
 
 def watch_owner(owner: dict[str, int] | None, role: str, period: float = 0.5) -> None:
@@ -110,6 +113,8 @@ class LayertapConnector(KVConnectorBase_V1, SupportsHMA):
         self._block_size = groups[self._group].block_size if groups else int(vllm_config.cache_config.block_size)
         self._check_steps = int(self._extra.get("slot_check_steps", 4))
         self._quiet_layers = bool(self._extra.get("quiet_layers", os.environ.get(QUIET_LAYERS_ENV, "1") == "1"))
+        self._quiet_empty = bool(self._extra.get("quiet_empty_steps",
+                                                 os.environ.get(QUIET_EMPTY_ENV, "1") == "1"))
         self._group_desc = {
             "index": self._group, "block_size": self._block_size, "num_groups": len(groups),
             "own_group": bool(groups) and groups[self._group].spec_type == "HiddenStateCacheSpec",
@@ -154,6 +159,17 @@ class LayertapConnector(KVConnectorBase_V1, SupportsHMA):
     # ---------------- worker side ----------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         self._worker.register(kv_caches)
+        if self._quiet_empty:
+            patched = compat.install_quiet_empty_steps()
+            log.info("layertap worker: steps with no forward and nothing for layertap skip the connector round "
+                     "(%s)", ", ".join(patched) or "not available in this vLLM")
+
+    def quiet_empty_step(self, meta: Any) -> bool:
+        """Whether a step with no forward may skip the connector's round (``compat.install_quiet_empty_steps``):
+        it carries no save and no slot check, this worker has nothing to report and nothing failed. Such a
+        round would bind the metadata, call ``get_finished`` for an empty answer and clear it again."""
+        return (self._quiet_empty and type(meta) is LayertapMetadata and not meta.saves and not meta.checks
+                and self._worker.idle())
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         pass

@@ -275,6 +275,10 @@ class RecordProcess:
             return "(no message)"
 
     # ---- per group, on the step thread ----
+    def failed(self) -> bool:
+        """Whether the record process reported an error (``check`` raises it)."""
+        return bool(self.ctrl[ERROR])
+
     def check(self) -> None:
         """Raise by name if the record process reported an error (a word of shared memory: no syscall)."""
         if self.ctrl[ERROR]:

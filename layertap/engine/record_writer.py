@@ -288,6 +288,11 @@ class WorkerSide:
             self.busy_s += time.perf_counter() - t0
             self.calls += 1
 
+    def idle(self) -> bool:
+        """Nothing to report and nothing wrong: a step without saves or checks may skip the connector's round
+        (``LayertapConnector.quiet_empty_step``). False once anything failed, so that round raises it."""
+        return not self.released and self.error is None and (self.rp is None or not self.rp.failed())
+
     def _finished(self, meta: Any) -> set[str] | None:
         if self.error is not None:
             raise RuntimeError(f"layertap writer failed: {self.error}") from self.error
@@ -686,6 +691,10 @@ class WorkerSide:
                 log.info("layertap worker: the record path per record (us): %s; other per-step work %.1f us per step",
                          ", ".join(f"{k} {1e6 * v / self.saved:.1f}" for k, v in self.phase_s.items()),
                          1e6 * (self.busy_s - sum(self.phase_s.values())) / self.calls)
+        q = compat.QUIET_EMPTY_COUNTS
+        if q["skipped"] or q["through"]:
+            log.info("layertap worker: steps with no forward: %d skipped the connector round, %d went through it",
+                     q["skipped"], q["through"])
         pool = getattr(self.sink, "pool", None)  # the engine's waits for the transport's lock (shm only)
         st = pool.lock_stats() if hasattr(pool, "lock_stats") else None
         if st and st["acquired"]:

@@ -160,24 +160,44 @@ def test_no_record_is_visible_before_its_payload_landed(setup):
 
 
 def test_record_process_ring_wraps_waits_and_takes_groups_larger_than_itself_in_process():
-    """A 2 MiB staging ring: it holds two one-record groups (0.8 MiB each). The forward stream is held back, so
-    the record process cannot copy the first groups out before the third is gathered: that step must wait
-    for room (on the H100 an unheld run never filled the ring). A four-record group (3.3 MiB) never fits and
-    takes the in-process lean path. Every record holds its rows either way."""
+    """A 2 MiB staging ring: it holds two one-record groups (0.8 MiB each). The record process is stopped
+    (SIGSTOP), so it frees nothing: the third group's step must wait for room, and goes on once the process
+    runs again. (Holding the forward stream back with a timed kernel instead raced the host loop: on the H100
+    the loop outlasted the kernel and no step waited.) Then twelve groups wrap the ring, and a four-record
+    group (3.3 MiB), which never fits, takes the in-process lean path. Every record holds its rows."""
+    import os
+    import signal
+    import threading
+
     w, src, view = make({"offload_staging_mb": 2})
     try:
         rng = np.random.default_rng(5)
         want = {}
-        torch.cuda._sleep(SLEEP)  # every gather below is queued behind this, so is every copy out of the ring
-        for step in range(12):
-            js = jobs(step, 1, rng)
+
+        def step(js):
             want.update({j.key: expected(view, j) for j in js})
             w.finished(LayertapMetadata(saves=js))
-        big = jobs(99, 4, rng)
-        want.update({j.key: expected(view, j) for j in big})
-        w.finished(LayertapMetadata(saves=big))
+
+        os.kill(w.rp.proc.pid, signal.SIGSTOP)
+        try:
+            step(jobs(0, 1, rng))
+            step(jobs(1, 1, rng))
+            assert w.rp.waits == 0
+            third = threading.Thread(target=step, args=(jobs(2, 1, rng),))
+            third.start()
+            deadline = time.monotonic() + 30
+            while w.rp.waits == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert w.rp.waits == 1 and third.is_alive()  # the step waits: the ring is full, nothing is freed
+        finally:
+            os.kill(w.rp.proc.pid, signal.SIGCONT)
+        third.join(60)
+        assert not third.is_alive()
+        for s in range(3, 12):
+            step(jobs(s, 1, rng))
+        step(jobs(99, 4, rng))
         assert_rows(src, want)
-        assert w.rp.sent == 12 and w.rp.waits > 0
+        assert w.rp.sent == 12 and w.rp.waits >= 1
     finally:
         torch.cuda.synchronize()
         w.close()
