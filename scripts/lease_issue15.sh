@@ -8,10 +8,11 @@
 # against plain's 0.8-14 ms) and the driver is later to the engine's outputs (`late` 0.5-0.9 ms against 0.15-0.27).
 # Two ways of taking records in the Tap (records_early, and one record at a time while requests run) changed
 # nothing measurable. (pinned: the H100 hosts seen so far have one NUMA node, so it shows nothing there.)
-# Eighth session (2026-12-06): the record process (engine/record_proc.py, connector option offload) matched HF on the
-# H100, but its engine-thread time is not measured yet (the step timer kept it from starting; fixed). Next lease:
-# LEASE_STEPS="offtests stepprof small" STEPPROF_INFLIGHT=1 STEPPROF_VARIANTS=floor,capture,capture-inproc
-# SMALL_VARIANTS=plain,floor,capture,capture-inproc (capture-inproc: offload=False, the step thread does it all).
+# Ninth session (2026-12-06): the record process cut the record path on the engine thread from ~557 to ~263 us a
+# request; steps with no forward skip the connector round (quiet_empty_steps; variant capture-loud turns it off);
+# small model 0.97 / 0.99 at 1 / 4 in flight (four rounds, one at 0.90). Next lease: the small model at 16-256 in
+# flight with this code, and more rounds at 1-4: LEASE_STEPS=small SMALL_VARIANTS=plain,plain-spawn,floor,capture
+# SMALL_BATCH_SIZES=1,4,16,64,256 (plain-spawn: the A/A control that says how far a round moves on its own).
 # Since the seventh session of 2026-12-06 the step profile (stepprof) says where the engine thread's time goes,
 # function by function: ~0.35 ms a request for the floor, ~0.73 for capture, on ~10 ms steps (RESULTS.md). Measure
 # a change to that thread with LEASE_STEPS="leantests small stepprof": its counters hold across hosts where the
