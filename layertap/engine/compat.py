@@ -421,6 +421,14 @@ _QUIET_EMPTY: list[str] = []  # what install_quiet_empty_steps patched in this p
 QUIET_EMPTY_COUNTS = {"skipped": 0, "through": 0}  # this process's no-forward steps, by what the patch did
 
 
+def _skip_round(connector: Any, scheduler_output: Any) -> bool:
+    """Whether this no-forward step skips the connector round (only layertap's connector answers), counted."""
+    quiet = getattr(connector, "quiet_empty_step", None)
+    skip = quiet is not None and bool(quiet(scheduler_output.kv_connector_metadata))
+    QUIET_EMPTY_COUNTS["skipped" if skip else "through"] += 1
+    return skip
+
+
 def install_quiet_empty_steps() -> list[str]:
     """Let a step that runs no forward skip the KV-connector round when layertap has nothing to do in it.
 
@@ -448,12 +456,8 @@ def install_quiet_empty_steps() -> list[str]:
         original_v2 = active.no_forward
 
         def no_forward(self: Any, scheduler_output: Any) -> Any:
-            quiet = getattr(self.kv_connector, "quiet_empty_step", None)
-            if quiet is not None and not getattr(self, "_disabled", False) \
-                    and quiet(scheduler_output.kv_connector_metadata):
-                QUIET_EMPTY_COUNTS["skipped"] += 1
+            if not getattr(self, "_disabled", False) and _skip_round(self.kv_connector, scheduler_output):
                 return EMPTY_MODEL_RUNNER_OUTPUT
-            QUIET_EMPTY_COUNTS["through"] += 1
             return original_v2(self, scheduler_output)
 
         no_forward.__wrapped__ = original_v2  # type: ignore[attr-defined]
@@ -468,12 +472,8 @@ def install_quiet_empty_steps() -> list[str]:
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
         def kv_connector_no_forward(scheduler_output: Any, vllm_config: Any) -> Any:
-            c = get_kv_transfer_group() if has_kv_transfer_group() else None
-            quiet = getattr(c, "quiet_empty_step", None)
-            if quiet is not None and quiet(scheduler_output.kv_connector_metadata):
-                QUIET_EMPTY_COUNTS["skipped"] += 1
+            if _skip_round(get_kv_transfer_group() if has_kv_transfer_group() else None, scheduler_output):
                 return EMPTY_MODEL_RUNNER_OUTPUT
-            QUIET_EMPTY_COUNTS["through"] += 1
             return original_v1(scheduler_output, vllm_config)
 
         kv_connector_no_forward.__wrapped__ = original_v1  # type: ignore[attr-defined]
