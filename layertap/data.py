@@ -157,11 +157,20 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
                 raise InputError(f"{p}:{n + 1}: malformed JSON ({e.msg} at column {e.colno})") from None
 
 
-def load_inputs(source: str | os.PathLike | Sequence[Any] | Iterable[Any], tokenizer) -> list[InputItem]:
-    """All inputs, tokenized and checked up front, so bad input fails before any engine work."""
+def iter_inputs(source: str | os.PathLike | Sequence[Any] | Iterable[Any], tokenizer) -> Iterator[InputItem]:
+    """Every input, tokenized and checked, one at a time as the caller takes them (``load_inputs`` takes them
+    all): the first bad one raises ``InputError`` naming its line or index when it is reached."""
     limit = _vocab_limit(tokenizer)
     if isinstance(source, (str, os.PathLike)) and str(source).endswith((".jsonl", ".json")):
-        return [to_item(obj, n, tokenizer, f"{source}:{n + 1}", vocab_limit=limit) for n, obj in read_jsonl(source)]
+        for n, obj in read_jsonl(source):
+            yield to_item(obj, n, tokenizer, f"{source}:{n + 1}", vocab_limit=limit)
+        return
     if isinstance(source, (str, bytes)):
         source = [source]
-    return [to_item(obj, n, tokenizer, vocab_limit=limit) for n, obj in enumerate(source)]
+    for n, obj in enumerate(source):
+        yield to_item(obj, n, tokenizer, vocab_limit=limit)
+
+
+def load_inputs(source: str | os.PathLike | Sequence[Any] | Iterable[Any], tokenizer) -> list[InputItem]:
+    """All inputs, tokenized and checked up front, so bad input fails before any engine work."""
+    return list(iter_inputs(source, tokenizer))

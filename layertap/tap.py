@@ -14,6 +14,7 @@ another request's rows can not pass. Records are complete when ``capture`` retur
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 
 from layertap import analysis
-from layertap.data import InputItem, load_inputs
+from layertap.data import InputItem, iter_inputs
 from layertap.engine import compat, launch, watchdog
 from layertap.engine.connector import PARAMS_KEY
 from layertap.errors import CaptureError, LayerZeroMismatch, MissingRecords
@@ -227,7 +228,9 @@ class Tap:
 
         ``mode="prompt"``: one forward pass over the whole input (teacher forcing); rows = input tokens.
         ``mode="generate"``: rows = input tokens + generated tokens except the last sampled one.
-        Inputs that would overrun ``max_model_len`` are rejected up front (``self.rejected``); the rest run.
+        Inputs that would overrun ``max_model_len`` are rejected by name (``self.rejected``); the rest run.
+        A bad input (``InputError``) stops the call before any record is handed out: the first admission
+        round's inputs are checked before it, the others while those requests run.
         """
         from vllm import SamplingParams
 
@@ -235,28 +238,41 @@ class Tap:
             raise ValueError(f"mode must be 'prompt' or 'generate', got {mode!r}")
         if mode == "generate":
             self.check_generate_allowed()
-        items = load_inputs(inputs, self.tokenizer)
+        items = iter_inputs(inputs, self.tokenizer)
         if mode == "prompt":
             # the one sampled token is never read: no detokenizing (a measurable share of the driver's
             # per-request work)
             sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         else:
             sp = sampling_params or SamplingParams(max_tokens=32, temperature=0.0)
-        todo: list[InputItem] = []
-        for it in items:
-            if skip_indices and it.index in skip_indices:
-                continue
-            need = len(it.token_ids) + (sp.max_tokens or 0) + 1
-            if need > self.max_model_len:
-                reason = (f"input {it.index}: {len(it.token_ids)} prompt tokens + max_tokens {sp.max_tokens} + 1 "
-                          f"capture slot = {need} > max_model_len {self.max_model_len}")
-                log.error("rejected %s", reason)
-                self.rejected.append(Rejected(it.index, reason))
-            else:
-                todo.append(it)
-        yield from self._run(todo, sp, mode)
+
+        def take(n: int | None) -> list[InputItem]:
+            """The next ``n`` inputs (``None``: all the rest), checked; the too long ones rejected by name."""
+            todo: list[InputItem] = []
+            for it in items if n is None else itertools.islice(items, n):
+                if skip_indices and it.index in skip_indices:
+                    continue
+                need = len(it.token_ids) + (sp.max_tokens or 0) + 1
+                if need > self.max_model_len:
+                    reason = (f"input {it.index}: {len(it.token_ids)} prompt tokens + max_tokens {sp.max_tokens} + 1 "
+                              f"capture slot = {need} > max_model_len {self.max_model_len}")
+                    log.error("rejected %s", reason)
+                    self.rejected.append(Rejected(it.index, reason))
+                else:
+                    todo.append(it)
+            return todo
+
+        # The inputs of the first admission round are checked before it; the rest while those requests run,
+        # before any record is handed out (a bad one raises InputError and the admitted requests are aborted).
+        # Checking them all first kept the engine idle ~50 us per 1,024-token input at the start of every call
+        # (13 ms for 256 inputs on the H100 host of 2026-12-06, 1.6% of the call at 64-256 in flight).
+        head = take(min(self.max_inflight or self.HEAD_INPUTS, self.HEAD_INPUTS))
+        yield from self._run(head, sp, mode, rest=lambda: take(None))
 
     _UNREAD = object()
+    # Inputs checked before the first admission round where max_inflight does not bound it (the rest are
+    # checked while those requests run)
+    HEAD_INPUTS = 64
 
     def _can_admit(self, running: int, pending_records: int, free: Any = _UNREAD) -> bool:
         """Engine bound: ``max_inflight`` requests running. Transport bound: every running request and every
@@ -269,11 +285,12 @@ class Tap:
             free = self.source.free_capacity()
         return free is None or running + pending_records < free
 
-    def _run(self, todo: list[InputItem], sp, mode: str) -> Iterator[Record]:
+    def _run(self, todo: list[InputItem], sp, mode: str,
+             rest: Callable[[], list[InputItem]] | None = None) -> Iterator[Record]:
         by_req: dict[str, InputItem] = {}
         expect: dict[str, tuple[InputItem, list[int], str]] = {}  # record key -> (item, its token ids, their digest)
         try:
-            yield from self._loop(todo, sp, mode, by_req, expect)
+            yield from self._loop(todo, sp, mode, by_req, expect, rest)
         finally:
             # Left early (the caller stopped iterating, or an error): abort what still runs and remember
             # what belongs to this iteration, so a later capture on this Tap is not confused by it.
@@ -289,7 +306,8 @@ class Tap:
         rid = str(rec.meta.get("request_id", ""))
         return rid.rsplit("-", 1)[0] in self._abandoned_ids
 
-    def _loop(self, todo: list[InputItem], sp, mode: str, by_req: dict, expect: dict) -> Iterator[Record]:
+    def _loop(self, todo: list[InputItem], sp, mode: str, by_req: dict, expect: dict,
+              rest: Callable[[], list[InputItem]] | None = None) -> Iterator[Record]:
         from vllm import TokensPrompt
 
         engine = self.llm.llm_engine
@@ -329,8 +347,14 @@ class Tap:
         # this process, the driver takes it (and refills from it) before proving and handing out more records;
         # at least one record goes per round, so records never starve (None: no queue to look at).
         output_waiting = self._output_waiting if self.defer_records else None
-        while queue or running or expect:
+        if not queue and rest is not None:  # the first round's inputs were all skipped or rejected
+            queue, rest = list(reversed(rest())), None
+        while queue or running or expect or rest is not None:
             running += admit()
+            if rest is not None:  # the remaining inputs, checked while the first requests run
+                queue[:0] = reversed(rest())
+                rest = None
+                running += admit()
             if running:
                 try:
                     outs = self.step()

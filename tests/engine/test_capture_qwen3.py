@@ -4,6 +4,7 @@ One engine for the module; every record is checked against HF transformers."""
 
 import pytest
 
+from layertap.data import InputError
 from layertap.engine.connector import PARAMS_KEY
 from layertap.models.tiny import tiny_model
 from layertap.tap import Tap
@@ -214,6 +215,39 @@ def test_over_length_input_is_rejected_and_the_rest_proceed(tap, model):
     assert [r.index for r in rejected] == [4]
     assert "max_model_len 512" in rejected[0].reason and "input 4" in rejected[0].reason
     assert sorted(r.index for r in recs) == [0, 1, 2, 3, 5]
+    assert_all_match(recs, model)
+
+
+def test_inputs_past_the_first_round_are_checked_and_rejected_too(tap, model):
+    # max_inflight 1: one input is checked before the first admission, the others while it runs
+    ok = random_prompts(4, [20, 200], seed=14)
+    too_long = random_prompts(1, [512 - 1], seed=15)[0]
+    before = len(tap.rejected)
+    tap.max_inflight = 1
+    try:
+        recs = list(tap.capture(ok[:2] + [too_long] + ok[2:]))
+    finally:
+        tap.max_inflight = None
+    assert [r.index for r in tap.rejected[before:]] == [2]
+    assert sorted(r.index for r in recs) == [0, 1, 3, 4]
+    assert_all_match(recs, model)
+
+
+def test_a_bad_input_past_the_first_round_stops_the_call_before_any_record(tap, model):
+    good = random_prompts(6, [100, 300], seed=11)
+    tap.max_inflight = 2
+    n0 = tap._n_req
+    got = []
+    try:
+        with pytest.raises(InputError, match=r"input 6: token ids \[1000000000\] are outside the vocabulary"):
+            for rec in tap.capture(good + [{"token_ids": [5, 10**9]}]):
+                got.append(rec)
+    finally:
+        tap.max_inflight = None
+    assert got == [], "no record may be handed out when an input is bad"
+    assert tap._n_req - n0 == 2, "the first round's two requests went to the engine before the rest was checked"
+    recs = list(tap.capture(random_prompts(4, [50], seed=12)))  # their aborted requests confuse nothing
+    assert sorted(r.index for r in recs) == list(range(4))
     assert_all_match(recs, model)
 
 
