@@ -270,9 +270,10 @@ class Tap:
         yield from self._run(head, sp, mode, rest=lambda: take(None))
 
     _UNREAD = object()
-    # Inputs checked before the first admission round where max_inflight does not bound it (the rest are
-    # checked while those requests run)
-    HEAD_INPUTS = 64
+    # At most this many inputs are checked before the first admission (fewer where max_inflight is lower):
+    # enough for the engine's first steps (16 inputs of 1,024 tokens are two steps at 8,192 tokens a step),
+    # while the rest are checked and admitted as those run
+    HEAD_INPUTS = 16
 
     def _can_admit(self, running: int, pending_records: int, free: Any = _UNREAD) -> bool:
         """Engine bound: ``max_inflight`` requests running. Transport bound: every running request and every
