@@ -13,6 +13,14 @@
 # small model 0.97 / 0.99 at 1 / 4 in flight (four rounds, one at 0.90). Next lease: the small model at 16-256 in
 # flight with this code, and more rounds at 1-4: LEASE_STEPS=small SMALL_VARIANTS=plain,plain-spawn,floor,capture
 # SMALL_BATCH_SIZES=1,4,16,64,256 (plain-spawn: the A/A control that says how far a round moves on its own).
+# Tenth session (2026-12-06, a faster, quiet H100 host; A/A 0.96-1.06): capture 0.94 / 0.85 / 0.96 / 0.97 / 0.97 at
+# 1 / 4 / 16 / 64 / 256 in flight, floor 0.98 / 0.94 / 0.99 / 0.99 / 0.99. At 4 in flight capture's requests spend
+# 2.7 ms longer in the engine core (`run` 16.7 against the floor's 14.2 ms; 2 finished per output against 3 for
+# plain), and the driver picks up outputs 0.25 ms later. The Tap then checked every input before the first
+# admission (13 ms a 256-prompt call, fixed since). Next lease: LEASE_STEPS="small stepprof"
+# SMALL_VARIANTS=plain,floor,floor-gather,capture-raw,capture SMALL_BATCH_SIZES=1,4,16 STEPPROF_VARIANTS=floor,capture
+# STEPPROF_INFLIGHT=4: capture-raw (no Tap) splits the 4-in-flight gap into the Tap's and the engine's share,
+# floor-gather the engine's into the gather's and the record process's; the profile says which function grows.
 # Since the seventh session of 2026-12-06 the step profile (stepprof) says where the engine thread's time goes,
 # function by function: ~0.35 ms a request for the floor, ~0.73 for capture, on ~10 ms steps (RESULTS.md). Measure
 # a change to that thread with LEASE_STEPS="leantests small stepprof": its counters hold across hosts where the
