@@ -229,8 +229,9 @@ class Tap:
         ``mode="prompt"``: one forward pass over the whole input (teacher forcing); rows = input tokens.
         ``mode="generate"``: rows = input tokens + generated tokens except the last sampled one.
         Inputs that would overrun ``max_model_len`` are rejected by name (``self.rejected``); the rest run.
-        A bad input (``InputError``) stops the call before any record is handed out: the first admission
-        round's inputs are checked before it, the others while those requests run.
+        A bad input (``InputError``) stops the call before any record is handed out. Writing a dataset
+        (``file``), every input is checked before any request; streaming, the first admission round's inputs
+        are checked before it and the others while those requests run.
         """
         from vllm import SamplingParams
 
@@ -262,8 +263,14 @@ class Tap:
                     todo.append(it)
             return todo
 
-        # The inputs of the first admission round are checked before it; the rest while those requests run,
-        # before any record is handed out (a bad one raises InputError and the admitted requests are aborted).
+        if self.transport_name == "file":
+            # Records land in a dataset on disk as their requests finish: every input is checked before any
+            # request goes to the engine, so a call with a bad input leaves no record there.
+            yield from self._run(take(None), sp, mode)
+            return
+        # Streamed records (shm, mooncake): the inputs of the first admission round are checked before it, the
+        # rest while those requests run and before any record is handed out (a bad one raises InputError and
+        # the admitted requests are aborted).
         # Checking them all first kept the engine idle ~50 us per 1,024-token input at the start of every call
         # (13 ms for 256 inputs on the H100 host of 2026-12-06, 1.6% of the call at 64-256 in flight).
         head = take(min(self.max_inflight or self.HEAD_INPUTS, self.HEAD_INPUTS))

@@ -251,6 +251,19 @@ def test_a_bad_input_past_the_first_round_stops_the_call_before_any_record(tap, 
     assert_all_match(recs, model)
 
 
+def test_a_file_dataset_gets_no_record_from_a_call_with_a_bad_input(model, tmp_path):
+    # records written to disk as requests finish: every input is checked before any request goes in
+    with Tap(model=model, layers=LAYERS, **{**BASE, "max_model_len": 512}, out=tmp_path / "ds") as t:
+        t.max_inflight = 1
+        with pytest.raises(InputError, match=r"input 3: token ids \[1000000000\] are outside the vocabulary"):
+            list(t.capture(random_prompts(3, [50], seed=16) + [{"token_ids": [5, 10**9]}]))
+        assert t._n_req == 0, "no request may reach the engine before every input is checked"
+        recs = list(t.capture(random_prompts(2, [50], seed=17)))
+        assert sorted(r.index for r in recs) == [0, 1]
+    lines = [ln for f in (tmp_path / "ds").glob("index-*.jsonl") for ln in f.read_text().splitlines() if ln.strip()]
+    assert len(lines) == 2, lines
+
+
 def test_generate_mode_rows_cover_prompt_and_generated_tokens(tap, model):
     from vllm import SamplingParams
 
