@@ -17,10 +17,12 @@
 # 1 / 4 / 16 / 64 / 256 in flight, floor 0.98 / 0.94 / 0.99 / 0.99 / 0.99. At 4 in flight capture's requests spend
 # 2.7 ms longer in the engine core (`run` 16.7 against the floor's 14.2 ms; 2 finished per output against 3 for
 # plain), and the driver picks up outputs 0.25 ms later. The Tap then checked every input before the first
-# admission (13 ms a 256-prompt call, fixed since). Next lease: LEASE_STEPS="small stepprof"
-# SMALL_VARIANTS=plain,floor,floor-gather,capture-raw,capture SMALL_BATCH_SIZES=1,4,16 STEPPROF_VARIANTS=floor,capture
-# STEPPROF_INFLIGHT=4: capture-raw (no Tap) splits the 4-in-flight gap into the Tap's and the engine's share,
-# floor-gather the engine's into the gather's and the record process's; the profile says which function grows.
+# admission (13 ms a 256-prompt call, fixed since). Earlier leases already split the 4-in-flight gap: capture-raw
+# (no Tap) was as short as capture, floor-gather (rows gathered, then dropped) as good as the floor, so it sits in
+# the engine's record path after the gather. Next lease: LEASE_STEPS=small SMALL_VARIANTS=plain,floor,capture
+# SMALL_BATCH_SIZES=1,4,16,64,256 SMALL_SKIP_PROFILE= PROFILE_INFLIGHT=4 (a torch-profiler trace of each engine at
+# 4 in flight after the rounds: is the engine's step longer on the GPU, or does the GPU wait for its thread?), and
+# a variant that runs the record process without its host copies (to build: it isolates the copies' effect).
 # Since the seventh session of 2026-12-06 the step profile (stepprof) says where the engine thread's time goes,
 # function by function: ~0.35 ms a request for the floor, ~0.73 for capture, on ~10 ms steps (RESULTS.md). Measure
 # a change to that thread with LEASE_STEPS="leantests small stepprof": its counters hold across hosts where the
