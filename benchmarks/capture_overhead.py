@@ -33,6 +33,14 @@ out), within the noise on 2026-12-06 (RESULTS, sixth session);
     capture-inproc     capture with the step thread reserving, copying and committing each record itself (connector
                        option offload=False), as before the record process (engine/record_proc.py): capture /
                        capture-inproc is what moving that work off the engine's thread buys
+    capture-nocopy     capture with the record process copying no rows (connector option offload_rows="skip"; its
+                       stream still waits on each gather's event, it reserves and commits): records carry no rows.
+                       capture / capture-nocopy is what the rows' device-to-host copies cost the engine
+    capture-nogpu      as capture-nocopy, and the record process makes no CUDA call at all (offload_rows="nogpu"):
+                       capture-nocopy / capture-nogpu is what a second CUDA context waiting on the engine's events
+                       costs; capture-nogpu / floor-gather the record process's CPU work and the hand-over
+    capture-chunked    capture with each record's copy in pieces of 1 MiB (offload_copy_chunk_kb=1024): a small
+                       copy of the engine's own waits behind one piece, not a whole record
     capture-loud       capture with every step that runs no forward going through vLLM's connector round
                        (connector option quiet_empty_steps=False): capture / capture-loud is what skipping the
                        empty rounds buys (compat.install_quiet_empty_steps)
@@ -549,6 +557,12 @@ VARIANTS = {
     "capture": lambda m, d, a: Capture(m, d, a, **profiler_kwargs(a, "capture")),
     "capture-inproc": lambda m, d, a: Capture(m, d, a, connector_options={"offload": False},
                                               **profiler_kwargs(a, "capture-inproc")),
+    "capture-nocopy": lambda m, d, a: Capture(m, d, a, connector_options={"offload_rows": "skip"},
+                                              **profiler_kwargs(a, "capture-nocopy")),
+    "capture-nogpu": lambda m, d, a: Capture(m, d, a, connector_options={"offload_rows": "nogpu"},
+                                             **profiler_kwargs(a, "capture-nogpu")),
+    "capture-chunked": lambda m, d, a: Capture(m, d, a, connector_options={"offload_copy_chunk_kb": 1024},
+                                               **profiler_kwargs(a, "capture-chunked")),
     "capture-loud": lambda m, d, a: Capture(m, d, a, connector_options={"quiet_empty_steps": False},
                                             **profiler_kwargs(a, "capture-loud")),
     "capture-raw": lambda m, d, a: CaptureRaw(m, d, a, **profiler_kwargs(a, "capture-raw")),

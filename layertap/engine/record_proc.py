@@ -60,6 +60,11 @@ FREED, READY, ERROR = 0, 1, 2
 CTRL_WORDS = 8
 ALIGN = 4096  # ring positions start at multiples of this
 PIPE_BYTES = 1 << 20
+# What the record process does with a record's rows: "copy" (what records need); two benchmark aids that
+# leave the rows unwritten (records carry whatever the slot held): "skip" (the process still waits on the
+# gather's event on its stream, as for a copy), "nogpu" (no CUDA call at all: descriptors in, commits out).
+# Beside "copy" they split the record process's cost to the engine into its copies, its GPU work, its CPU work.
+ROW_MODES = ("copy", "skip", "nogpu")
 
 
 def _map_ctrl(path: str) -> np.ndarray:
@@ -199,7 +204,10 @@ class RecordProcess:
 
     def __init__(self, *, transport_cfg: dict[str, Any], run_meta: dict[str, Any], dtype_name: str, n_planes: int,
                  hidden: int, row_bytes: int, ring_bytes: int, staging: str = "cuda", rt: IpcRuntime | None = None,
-                 device: int = 0, n_events: int = 16, start_timeout: float = 120.0, wait_timeout: float = 60.0):
+                 device: int = 0, n_events: int = 16, start_timeout: float = 120.0, wait_timeout: float = 60.0,
+                 copy_chunk: int = 0, rows: str = "copy"):
+        if rows not in ROW_MODES:
+            raise ValueError(f"rows={rows!r}: expected one of {ROW_MODES}")
         self.size = ring_bytes - ring_bytes % ALIGN
         self.staging = staging
         self.wait_timeout = wait_timeout
@@ -223,6 +231,7 @@ class RecordProcess:
             cfg: dict[str, Any] = {"ctrl": self.ctrl_path, "ring_bytes": self.size, "staging": staging,
                                    "transport": transport_cfg, "run_meta": run_meta, "dtype": dtype_name,
                                    "n_planes": n_planes, "hidden": hidden, "row_bytes": row_bytes,
+                                   "copy_chunk": max(0, int(copy_chunk)), "rows": rows,
                                    "log_level": log.getEffectiveLevel()}
             if staging == "cuda":
                 self.ptr = rt.malloc(self.size)
@@ -405,6 +414,15 @@ def record_specs(num_rows: int, dtype: Any, n_planes: int, hidden: int, loss_spa
     return specs
 
 
+def pieces(nbytes: int, chunk: int) -> list[tuple[int, int]]:
+    """(offset, length) of the copies that move ``nbytes`` in pieces of at most ``chunk`` bytes (0: one copy).
+    A device-to-host copy queued behind another waits for all of it (one copy engine, in order; RESULTS
+    2026-12-05: an 8-byte copy waited 642 us behind a 32 MiB one), so pieces bound that wait to one piece."""
+    if chunk <= 0 or nbytes <= chunk:
+        return [(0, nbytes)]
+    return [(o, min(chunk, nbytes - o)) for o in range(0, nbytes, chunk)]
+
+
 def fill_arrays(ids: np.ndarray, mask: np.ndarray | None, token_ids: np.ndarray, num_rows: int,
                 loss_spans: Any) -> None:
     """A record's token ids and loss mask, written into host arrays of its transport memory (both writers)."""
@@ -430,13 +448,15 @@ class _Writer:
         self.sink = get_transport(cfg["transport"]["backend"]).make_sink(
             cfg["transport"], f"{socket.gethostname()}-{os.getpid()}-records")
         self.cuda = cfg["staging"] == "cuda"
+        self.chunk, self.rows = cfg.get("copy_chunk", 0), cfg.get("rows", "copy")
+        self.gpu = self.cuda and self.rows != "nogpu"  # "nogpu": no CUDA call (a benchmark aid)
         self.registered = self.ring_ptr = 0
         try:  # a set-up that fails leaves the pool without this writer (the consumer would call it dead)
             region = self.sink.data_region()
             self.region_np = region.numpy()
             self.region_ptr = region.data_ptr()
             self.region_bytes = region.numel()
-            if self.cuda:
+            if self.gpu:
                 self.rt = IpcRuntime(cfg["cudart"])
                 self.rt.set_device(cfg["device"])
                 self.ring_ptr = self.rt.open_mem(cfg["ring_handle"])
@@ -445,7 +465,7 @@ class _Writer:
                 self.rt.host_register(self.region_ptr, self.region_bytes)
                 self.registered = 1
                 self.done = self.rt.rc.event(blocking=True)
-            else:
+            elif not self.cuda:
                 self.ring_np = np.memmap(cfg["ring_path"], dtype=np.uint8, mode="r", shape=(cfg["ring_bytes"],))
         except BaseException:
             self.close()
@@ -474,7 +494,7 @@ class _Writer:
         off, end, event, items, shared = msg
         if shared is not None:
             self.shared, self.template = shared, None
-        if self.cuda:
+        if self.gpu:
             self.rt.rc.wait_event(self.stream, self.events[event])
         deadline = time.monotonic() + self.sink.put_timeout
         reservations: list[Any] = []
@@ -488,11 +508,14 @@ class _Writer:
                 fill_arrays(self.region_np[o:o + 8 * n].view(np.int64),
                             None if m is None else self.region_np[m:m + n], token_ids, n, meta.get("loss_spans"))
                 dst, src, nb = res.offsets["hidden_states"], off + a * self.rb, n * self.rb
-                if self.cuda:
-                    self.rt.rc.copy(self.region_ptr + dst, self.ring_ptr + src, nb, 2, self.stream)
-                else:
-                    self.region_np[dst:dst + nb] = self.ring_np[src:src + nb]
-            if self.cuda:
+                if self.rows != "copy":
+                    continue
+                for o, k in pieces(nb, self.chunk):
+                    if self.cuda:
+                        self.rt.rc.copy(self.region_ptr + dst + o, self.ring_ptr + src + o, k, 2, self.stream)
+                    else:
+                        self.region_np[dst + o:dst + o + k] = self.ring_np[src + o:src + o + k]
+            if self.gpu:
                 self.done.record(self.stream)
                 self.done.synchronize()
         except BaseException:

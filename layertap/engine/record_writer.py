@@ -115,6 +115,12 @@ class WorkerSide:
         # reserves, copies and commits (``record_proc``). ``offload_staging_mb``: the ring's size.
         self.offload_wanted = bool(c._extra.get("offload", True))
         self.offload_mb = int(c._extra.get("offload_staging_mb", 512))
+        # The record process's copies in pieces of at most this many KiB (0: one copy a record), so a small
+        # device-to-host copy of the engine's own (its sampled ids) waits behind one piece at most.
+        self.offload_chunk_kb = int(c._extra.get("offload_copy_chunk_kb", 0))
+        # Benchmark aid only (record_proc.ROW_MODES): "skip" leaves the rows uncopied, "nogpu" also makes no
+        # CUDA call in the record process; records then carry whatever their slot held.
+        self.offload_rows = str(c._extra.get("offload_rows", "copy"))
         self.rp = None  # the RecordProcess, once started
         self.ring_t: torch.Tensor | None = None
         # Benchmark aid only (benchmarks/capture_overhead.py "floor"): saves are reported done without
@@ -230,7 +236,8 @@ class WorkerSide:
             self.rp = RecordProcess(
                 transport_cfg=self.transport_cfg, run_meta=self.run_meta, dtype_name=self.dtype_name,
                 n_planes=self.geo.n_planes, hidden=self.geo.hidden, row_bytes=self.row_bytes,
-                ring_bytes=self.offload_mb << 20, rt=IpcRuntime(self.copies.path), device=self.view.device.index or 0)
+                ring_bytes=self.offload_mb << 20, rt=IpcRuntime(self.copies.path), device=self.view.device.index or 0,
+                copy_chunk=self.offload_chunk_kb << 10, rows=self.offload_rows)
         except (RecordProcessError, RuntimeError, OSError) as e:
             log.warning("layertap worker: the record process did not start (%s); records are reserved, copied and "
                         "committed on the step thread", e)

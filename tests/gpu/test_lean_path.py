@@ -6,7 +6,8 @@ next forward's writes), when the ring of index buffers wraps while the GPU is be
 visible before its payload landed. A control shows the rewrite test can fail: the same rewrite queued on
 another stream, not after the gather, corrupts the record. Each runs twice: with the record process
 (``record_proc``, the default: the step thread gathers into a staging ring shared through CUDA IPC, the process
-copies and commits) and with the step thread doing it all (connector option ``offload=False``)."""
+copies and commits), with that process copying in pieces, and with the step thread doing it all (connector option
+``offload=False``)."""
 
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ PLANES, HIDDEN, BS, BLOCKS, ROWS = 4, 512, 16, 256, 200
 SLEEP = 200_000_000  # GPU cycles (~0.1 s): holds a stream back so the host acts while work is queued
 
 
-OPTIONS = {"offload": {}, "in-process": {"offload": False}}
-"""The default (the record process reserves, copies and commits: ``record_proc``) and the step thread doing it all."""
+OPTIONS = {"offload": {}, "offload-pieces": {"offload_copy_chunk_kb": 64}, "in-process": {"offload": False}}
+"""The default (the record process reserves, copies and commits: ``record_proc``), the same with each record's
+copy in 64 KiB pieces (a record here is 800 KiB: 13 pieces, the last one short), and the step thread doing it all."""
 
 
 def make(options: dict):

@@ -190,3 +190,48 @@ def test_the_process_converts_and_hashes_token_ids_the_scheduler_left_as_a_list(
         rec.release()
     finally:
         rp.close()
+
+
+def test_pieces_cover_a_copy_exactly():
+    from layertap.engine.record_proc import pieces
+
+    assert pieces(10, 0) == [(0, 10)] and pieces(10, 10) == [(0, 10)] and pieces(0, 4) == [(0, 0)]
+    assert pieces(10, 4) == [(0, 4), (4, 4), (8, 2)]
+    for n, c in [(1 << 20, 4096), (12345, 1000), (ROW_BYTES * 17, ROW_BYTES * 3)]:
+        got = pieces(n, c)
+        assert sum(k for _, k in got) == n and all(0 < k <= c for _, k in got)
+        assert all(o == sum(k for _, k in got[:i]) for i, (o, _) in enumerate(got))
+
+
+def test_records_copied_in_pieces_equal_those_copied_whole(pool):
+    """Pieces smaller than a row, and not dividing a record: every byte still lands once, in place."""
+    tcfg, src = pool
+    rp = start(tcfg, copy_chunk=ROW_BYTES // 3)
+    try:
+        rng = np.random.default_rng(5)
+        want = {}
+        for step in range(3):
+            want.update(group(rp, rng, step, [5, 17, 1][: step + 1]))
+        check(take(src, len(want)), want)
+    finally:
+        rp.close()
+
+
+def test_the_benchmark_aid_that_skips_rows_still_commits_every_record(pool):
+    """rows="skip" (capture-nocopy in benchmarks/capture_overhead.py) leaves a fresh pool's slot bytes as they
+    were (zeros) and commits each record with its ids; an unknown mode is refused by name."""
+    tcfg, src = pool
+    with pytest.raises(ValueError, match="rows='bogus'"):
+        start(tcfg, rows="bogus")
+    rp = start(tcfg, rows="skip")
+    try:
+        want = group(rp, np.random.default_rng(6), 0, [4, 9])
+        got = take(src, len(want))
+        for key, (rows, ids, _) in want.items():
+            rec = got[key]
+            assert rec.token_ids.tolist() == ids.tolist()
+            assert not torch.equal(rec.hidden_states, torch.from_numpy(rows))
+            assert not rec.hidden_states.any()
+            rec.release()
+    finally:
+        rp.close()
