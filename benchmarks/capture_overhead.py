@@ -47,6 +47,9 @@ out), within the noise on 2026-12-06 (RESULTS, sixth session);
     capture-raw        the capture engine and transport of ``capture``, driven like plain (no Tap loop, no
                        proof; a thread takes the records off the transport): capture / capture-raw is the
                        Tap's share of the gap, capture-raw / plain the engine's and the record path's
+    capture-after      capture-raw with no record work in the driving process while the clock runs: records wait in
+                       the pool until the call's requests finished (needs --chunk). Beside floor, the engine's
+                       record path alone; capture / capture-after, the driving process's record work
     capture-eager      capture with the Tap proving and handing out every committed record before its next
                        engine step (Tap.defer_records=False); by default records wait while an engine output
                        does (at least one a round): capture / capture-eager is what that ordering buys, and
@@ -537,6 +540,33 @@ class CaptureRaw(Capture):
         return n / dt
 
 
+class CaptureAfter(CaptureRaw):
+    """``capture-raw`` with no record work in the driving process while the clock runs: the engine is driven
+    like ``floor`` and the records stay in the pool until the call's last request finished; the clock stops
+    there, then every record is taken off and counted (the pool must hold a whole call: use ``--chunk``).
+    Beside ``floor`` (the same engine reading no rows) it is the engine's record path alone; capture /
+    capture-after is what the driving process's record work (polls, proofs, releases, holding its GIL while
+    the engine's next output waits to be decoded) costs."""
+
+    def rate(self, inflight: int, data=None) -> float:
+        data = self.data if data is None else data
+        room = self.tap.source.free_capacity()
+        if room is not None and room < len(data) + inflight:
+            raise SystemExit(f"capture-after: the pool holds {room} records, a call needs {len(data) + inflight}; "
+                             "pass --chunk (or --shm-slots)")
+        t0 = time.perf_counter()
+        n = drive(self.tap.llm.llm_engine, data, inflight, self.params_for)
+        dt = time.perf_counter() - t0
+        got, deadline = 0, time.monotonic() + 60
+        while got < len(data) and time.monotonic() < deadline:
+            for rec in self.tap.source.poll(timeout=0.05):
+                got += 1
+                rec.release()
+        if got != len(data):
+            raise SystemExit(f"capture-after: {got} records for {len(data)} requests")
+        return n / dt
+
+
 def profiler_kwargs(args, variant: str) -> dict:
     """Engine kwargs that let ``--profile-dir`` profile this engine later (nothing runs until asked)."""
     if not args.profile_dir:
@@ -566,6 +596,7 @@ VARIANTS = {
     "capture-loud": lambda m, d, a: Capture(m, d, a, connector_options={"quiet_empty_steps": False},
                                             **profiler_kwargs(a, "capture-loud")),
     "capture-raw": lambda m, d, a: CaptureRaw(m, d, a, **profiler_kwargs(a, "capture-raw")),
+    "capture-after": lambda m, d, a: CaptureAfter(m, d, a, **profiler_kwargs(a, "capture-after")),
     "capture-eager": lambda m, d, a: Capture(m, d, a, defer_records=False, **profiler_kwargs(a, "capture-eager")),
     "floor-extract": lambda m, d, a: Floor(m, d, a, path="extract", **profiler_kwargs(a, "floor-extract")),
     "capture-extract": lambda m, d, a: Capture(m, d, a, capture_path="extract", **profiler_kwargs(a, "capture-extract")),
