@@ -47,6 +47,9 @@ out), within the noise on 2026-12-06 (RESULTS, sixth session);
     capture-raw        the capture engine and transport of ``capture``, driven like plain (no Tap loop, no
                        proof; a thread takes the records off the transport): capture / capture-raw is the
                        Tap's share of the gap, capture-raw / plain the engine's and the record path's
+    capture-nobuild    capture with each request built (vLLM's input processing) as it is admitted (Tap.prebuild=False),
+                       as before 2026-12-07; by default the Tap builds the next requests while the engine runs and
+                       admitting one is only its send: capture / capture-nobuild is what that buys
     capture-after      capture-raw with no record work in the driving process while the clock runs: records wait in
                        the pool until the call's requests finished (needs --chunk). Beside floor, the engine's
                        record path alone; capture / capture-after, the driving process's record work
@@ -449,7 +452,7 @@ def shm_slots(args) -> int:
 class Capture:
     """layertap capture through the Tap: every record is counted and its token digest proven."""
 
-    def __init__(self, model, data, args, defer_records: bool = True, **extra):
+    def __init__(self, model, data, args, defer_records: bool = True, prebuild: bool = True, **extra):
         from layertap.tap import Tap
 
         self.inputs = [{"token_ids": ids} for ids in data]
@@ -463,6 +466,7 @@ class Capture:
                        out=args.out if args.transport == "file" else None, zero_copy=args.transport == "shm",
                        **engine_kwargs(args), **extra)
         self.tap.defer_records = defer_records
+        self.tap.prebuild = prebuild
 
     def rate(self, inflight: int, data=None) -> float:
         inputs = self.inputs if data is None else [{"token_ids": ids} for ids in data]
@@ -598,6 +602,7 @@ VARIANTS = {
     "capture-raw": lambda m, d, a: CaptureRaw(m, d, a, **profiler_kwargs(a, "capture-raw")),
     "capture-after": lambda m, d, a: CaptureAfter(m, d, a, **profiler_kwargs(a, "capture-after")),
     "capture-eager": lambda m, d, a: Capture(m, d, a, defer_records=False, **profiler_kwargs(a, "capture-eager")),
+    "capture-nobuild": lambda m, d, a: Capture(m, d, a, prebuild=False, **profiler_kwargs(a, "capture-nobuild")),
     "floor-extract": lambda m, d, a: Floor(m, d, a, path="extract", **profiler_kwargs(a, "floor-extract")),
     "capture-extract": lambda m, d, a: Capture(m, d, a, capture_path="extract", **profiler_kwargs(a, "capture-extract")),
 }

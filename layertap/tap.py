@@ -14,6 +14,7 @@ another request's rows can not pass. Records are complete when ``capture`` retur
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
@@ -116,6 +117,10 @@ class Tap:
         self.defer_records = True
         """While the engine's next output already waits, take it before proving more records (at least one a
         round). False (a benchmark aid, ``capture_overhead.py`` capture-eager): every committed record first."""
+        self.prebuild = True
+        """Build the next requests (vLLM's input processing) while the engine runs, so that admitting one after
+        a finished request is only its send (``compat.request_builder``; where that vLLM has no such seam, or
+        False: a benchmark aid, ``capture_overhead.py`` capture-nobuild, each request is built as it is admitted)."""
         self.deferrals = 0
         """Rounds in which records waited for an engine output (``defer_records``), over the Tap's life."""
         self.run = uuid.uuid4().hex[:8]
@@ -167,7 +172,8 @@ class Tap:
         self._stale_keys: set[str] = set()
         self._abandoned_ids: set[str] = set()
         self._checked = 0
-        self._n_req = 0
+        self._n_req = 0  # requests sent to the engine
+        self._n_rid = 0  # request ids made (a request is built before it is sent: Tap.prebuild)
 
     # ------------------------------------------------------------------ set-up
     def _write_dataset_manifest(self, root: Path) -> None:
@@ -333,22 +339,43 @@ class Tap:
         shared = compat.engine_copies_params(self.version)
         extra = dict(template.extra_args or {})
 
+        # Requests built ahead (vLLM's input processing, ~3/4 of add_request: compat.request_builder) while the
+        # engine runs, in queue order; admitting one is then only its send. None: built at admission.
+        build = compat.request_builder(engine, self.version) if self.prebuild else None
+        ready: collections.deque = collections.deque()  # (input, request id, params, request or prompt)
+        ahead = min(self.max_inflight or self.HEAD_INPUTS, self.HEAD_INPUTS)
+
+        def make(it: InputItem) -> tuple:
+            self._n_rid += 1
+            rid = f"{self.run}-{it.index}-{self._n_rid}"
+            p = template if shared else template.clone()
+            params = {"index": it.index, "mode": mode, "run": self.run, "loss_spans": _loss_spans(it.loss_mask)}
+            p.extra_args = {**extra, "kv_transfer_params": {PARAMS_KEY: params}}  # a new dict each time
+            prompt = TokensPrompt(prompt_token_ids=it.token_ids)
+            return it, rid, p, (prompt if build is None else build(rid, prompt, p))
+
         def admit(finishing: int = 0) -> int:
             n = 0
-            if not queue or (self.max_inflight is not None and running >= self.max_inflight):
+            if not (ready or queue) or (self.max_inflight is not None and running >= self.max_inflight):
                 return 0
             free = self.source.free_capacity()  # read once per round: a scan of the pool's slot table
-            while queue and self._can_admit(running + n, len(expect) + finishing, free):
-                it = queue.pop()
+            while (ready or queue) and self._can_admit(running + n, len(expect) + finishing, free):
+                it, rid, p, req = ready.popleft() if ready else make(queue.pop())
                 self._n_req += 1
-                rid = f"{self.run}-{it.index}-{self._n_req}"
-                p = template if shared else template.clone()
-                params = {"index": it.index, "mode": mode, "run": self.run, "loss_spans": _loss_spans(it.loss_mask)}
-                p.extra_args = {**extra, "kv_transfer_params": {PARAMS_KEY: params}}  # a new dict each time
-                engine.add_request(rid, TokensPrompt(prompt_token_ids=it.token_ids), p)
+                if build is None:
+                    engine.add_request(rid, req, p)
+                else:
+                    compat.send_built(engine, req, p)
                 by_req[rid] = it
                 n += 1
             return n
+
+        def prepare() -> None:
+            """Build the next requests while the engine runs; an engine output that already waits goes first."""
+            while build is not None and queue and len(ready) < ahead:
+                if output_waiting is not None and output_waiting():
+                    return
+                ready.append(make(queue.pop()))
 
         inproc = compat.engine_core_in_process(self.llm)
         # Records come second to the engine's output: while the engine core's next output already waits in
@@ -357,20 +384,21 @@ class Tap:
         output_waiting = self._output_waiting if self.defer_records else None
         if not queue and rest is not None:  # the first round's inputs were all skipped or rejected
             queue, rest = list(reversed(rest())), None
-        while queue or running or expect:  # a pending rest implies a non-empty first round (above)
+        while queue or ready or running or expect:  # a pending rest implies a non-empty first round (above)
             running += admit()
             if rest is not None:  # the remaining inputs, checked while the first requests run
                 queue[:0] = reversed(rest())
                 rest = None
                 running += admit()
             if running:
+                prepare()
                 try:
                     outs = self.step()
                 except watchdog.EngineTimeout:
                     raise
                 except Exception as e:
                     if compat.engine_dead(self.llm):
-                        raise _engine_died(expect, by_req, queue) from e
+                        raise _engine_died(expect, by_req, [*queue, *(r[0] for r in ready)]) from e
                     raise
                 finished = []
                 for out in outs:
@@ -399,7 +427,7 @@ class Tap:
             # CUDA a prompt's record is copied out in its own forward step): waiting for more first cost
             # the full wait, 50 ms, at the end of every call (H100, 2026-12-05).
             in_hand = any(k in expect for k in early)  # a record due whose request has finished
-            idle = not running and not in_hand and not (queue and self._can_admit(running, len(expect)))
+            idle = not running and not in_hand and not ((queue or ready) and self._can_admit(running, len(expect)))
             hurry = output_waiting if running else None
             deferred = hurry is not None and in_hand and hurry()
             # Records are taken off the pool only where one can be due: a finished request awaits its record,
@@ -428,8 +456,8 @@ class Tap:
                 yield rec
             self.deferrals += deferred
             if compat.engine_dead(self.llm):
-                raise _engine_died(expect, by_req, queue)
-            stalled = queue and not running and not expect and not early and not self._can_admit(0, 0)
+                raise _engine_died(expect, by_req, [*queue, *(r[0] for r in ready)])
+            stalled = (queue or ready) and not running and not expect and not early and not self._can_admit(0, 0)
             if not stalled:
                 stall_since = None
             elif stall_since is None:

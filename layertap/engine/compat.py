@@ -30,6 +30,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import weakref
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable
@@ -203,6 +204,45 @@ def engine_core_in_process(llm: Any) -> bool:
     finished request to the connector's save comes after the step it finished in)."""
     core = getattr(llm.llm_engine, "engine_core", None)
     return type(core).__name__ == "InprocClient"
+
+
+class _MuteRequestObjectNotice(logging.Filter):
+    """vLLM logs once that passing its request object to ``add_request`` is deprecated; layertap does it on
+    purpose (``request_builder``), and the notice's advice does not apply to a token-id prompt."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Passing EngineCoreRequest" not in str(record.msg)
+
+
+def request_builder(engine: Any, v: str) -> Callable[[str, Any, Any], Any] | None:
+    """A function that turns (request id, prompt, params) into vLLM's own request object ahead of admission,
+    or ``None`` where this vLLM offers no such seam. ``LLMEngine.add_request`` spends ~3/4 of its time in
+    the input processor (0.32 on the CPU box: 317 of 425 us for a 1,024-token prompt); given the processed
+    request (0.25 and 0.32 accept it) it only registers and sends it. The Tap builds the next requests while
+    the engine runs, so the moment between a finished request and its successors' admission holds only the
+    sends (``Tap._loop``). The request's arrival time is set again when it is sent (``send_built``)."""
+    if not v.startswith(("0.25", "0.32")):
+        return None
+    ip = getattr(engine, "input_processor", None)
+    if ip is None or not hasattr(ip, "process_inputs") or not hasattr(engine, "get_supported_tasks"):
+        return None
+    tasks = engine.get_supported_tasks()
+    mute = _MuteRequestObjectNotice()
+    lg = logging.getLogger("vllm.v1.engine.llm_engine")
+    if not any(isinstance(f, _MuteRequestObjectNotice) for f in lg.filters):
+        lg.addFilter(mute)
+
+    def build(request_id: str, prompt: Any, params: Any) -> Any:
+        return ip.process_inputs(request_id, prompt, params, supported_tasks=tasks)
+
+    return build
+
+
+def send_built(engine: Any, request: Any, params: Any) -> None:
+    """Admit a request made by ``request_builder``: stamped with the time it is sent, as vLLM stamps one it
+    processes itself."""
+    request.arrival_time = time.time()
+    engine.add_request(request.request_id, request, params)
 
 
 def engine_output_queue(engine: Any) -> queue.Queue | None:

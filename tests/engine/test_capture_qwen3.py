@@ -41,6 +41,31 @@ def test_many_concurrent_requests_of_very_different_lengths(tap, model):
     assert_all_match(recs, model)
 
 
+def test_requests_built_ahead_carry_their_own_marker_and_match_hf(tap, model):
+    """The Tap builds the next requests while the engine runs (``Tap.prebuild``, ``compat.request_builder``):
+    the seam must exist on this vLLM, and requests built ahead from one shared params template must each keep
+    their own input's marker (else the proof fails by index). Built at admission (prebuild off), the same
+    inputs give the same rows."""
+    import torch
+
+    from layertap.engine import compat
+
+    assert compat.request_builder(tap.llm.llm_engine, tap.version) is not None, "no request-building seam"
+    inputs = random_prompts(20, [30, 7, 120, 61], seed=21)
+    tap.max_inflight = 3  # three built ahead at a time, admitted one and two at a time
+    try:
+        ahead = {r.index: r for r in tap.capture(inputs)}
+        tap.prebuild = False
+        at_admission = {r.index: r for r in tap.capture(inputs)}
+    finally:
+        tap.prebuild, tap.max_inflight = True, None
+    assert sorted(ahead) == sorted(at_admission) == list(range(20))
+    for i, r in ahead.items():
+        assert r.token_ids.tolist() == inputs[i]["token_ids"]
+        assert torch.allclose(r.hidden_states, at_admission[i].hidden_states, atol=1e-5)
+    assert_all_match(list(ahead.values()), model)
+
+
 def test_the_engine_output_waiting_in_the_driver_is_seen(tap):
     """The seam the Tap's record deferral reads: the CPU build's engine core runs in its own process, and
     its output shows in the driver's queue before ``step`` takes it."""
