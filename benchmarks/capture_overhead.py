@@ -446,7 +446,12 @@ def shm_slot_bytes(args) -> int:
 def shm_slots(args) -> int:
     """``--shm-slots``, or enough that the pool never caps the in-flight target: the Tap admits a request only
     while every running request and every record not yet consumed fits the pool's free slots."""
-    return args.shm_slots if args.shm_slots is not None else 2 * max(args.batch_sizes) + 16
+    if args.shm_slots is not None:
+        return args.shm_slots
+    if "capture-after" in args.variants:  # its records wait in the pool for a whole piece (CaptureAfter)
+        return max(2 * max(args.batch_sizes) + 16, max(len(p) + b for b in args.batch_sizes
+                                                        for p in chunks_of(list(range(args.prompts)), b, args.chunk)))
+    return 2 * max(args.batch_sizes) + 16
 
 
 class Capture:

@@ -137,8 +137,8 @@ pinned() {  # the small model with the driver and every engine on one NUMA node'
 SMALL_BATCH_SIZES=${PIN_BATCH_SIZES:-1,4,16} small_bench pinned "--cpus ${PIN_CPUS:-node:0}"
 el "small prefill, pinned"
 }
-small() {
-small_bench small ""
+small() {  # SMALL_ARGS: more flags (e.g. --prompts 128 for a short lease)
+small_bench small "${SMALL_ARGS:-}"
 el "small prefill"
 }
 serve() {
