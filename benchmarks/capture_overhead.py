@@ -47,9 +47,9 @@ out), within the noise on 2026-12-06 (RESULTS, sixth session);
     capture-raw        the capture engine and transport of ``capture``, driven like plain (no Tap loop, no
                        proof; a thread takes the records off the transport): capture / capture-raw is the
                        Tap's share of the gap, capture-raw / plain the engine's and the record path's
-    capture-nobuild    capture with each request built (vLLM's input processing) as it is admitted (Tap.prebuild=False),
-                       as before 2026-12-07; by default the Tap builds the next requests while the engine runs and
-                       admitting one is only its send: capture / capture-nobuild is what that buys
+    capture-prebuild   capture with the Tap building the next requests (vLLM's input processing) while the engine
+                       runs, so admitting one after a finished request is only its send (Tap.prebuild=True; by
+                       default each is built as it is admitted): capture-prebuild / capture is what that buys
     capture-after      capture-raw with no record work in the driving process while the clock runs: records wait in
                        the pool until the call's requests finished (needs --chunk). Beside floor, the engine's
                        record path alone; capture / capture-after, the driving process's record work
@@ -457,7 +457,7 @@ def shm_slots(args) -> int:
 class Capture:
     """layertap capture through the Tap: every record is counted and its token digest proven."""
 
-    def __init__(self, model, data, args, defer_records: bool = True, prebuild: bool = True, **extra):
+    def __init__(self, model, data, args, defer_records: bool = True, prebuild: bool = False, **extra):
         from layertap.tap import Tap
 
         self.inputs = [{"token_ids": ids} for ids in data]
@@ -607,7 +607,7 @@ VARIANTS = {
     "capture-raw": lambda m, d, a: CaptureRaw(m, d, a, **profiler_kwargs(a, "capture-raw")),
     "capture-after": lambda m, d, a: CaptureAfter(m, d, a, **profiler_kwargs(a, "capture-after")),
     "capture-eager": lambda m, d, a: Capture(m, d, a, defer_records=False, **profiler_kwargs(a, "capture-eager")),
-    "capture-nobuild": lambda m, d, a: Capture(m, d, a, prebuild=False, **profiler_kwargs(a, "capture-nobuild")),
+    "capture-prebuild": lambda m, d, a: Capture(m, d, a, prebuild=True, **profiler_kwargs(a, "capture-prebuild")),
     "floor-extract": lambda m, d, a: Floor(m, d, a, path="extract", **profiler_kwargs(a, "floor-extract")),
     "capture-extract": lambda m, d, a: Capture(m, d, a, capture_path="extract", **profiler_kwargs(a, "capture-extract")),
 }

@@ -117,10 +117,12 @@ class Tap:
         self.defer_records = True
         """While the engine's next output already waits, take it before proving more records (at least one a
         round). False (a benchmark aid, ``capture_overhead.py`` capture-eager): every committed record first."""
-        self.prebuild = True
+        self.prebuild = False
         """Build the next requests (vLLM's input processing) while the engine runs, so that admitting one after
-        a finished request is only its send (``compat.request_builder``; where that vLLM has no such seam, or
-        False: a benchmark aid, ``capture_overhead.py`` capture-nobuild, each request is built as it is admitted)."""
+        a finished request is only its send (``compat.request_builder``; ignored where that vLLM has no such
+        seam). Off by default until a GPU pair shows it pays: on the CPU box it cuts the admission of a
+        1,024-token request from ~425 to ~110 us, with no measurable change in throughput (RESULTS 2026-12-06,
+        eleventh session); ``capture_overhead.py`` capture-prebuild measures it."""
         self.deferrals = 0
         """Rounds in which records waited for an engine output (``defer_records``), over the Tap's life."""
         self.run = uuid.uuid4().hex[:8]

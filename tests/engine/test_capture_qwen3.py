@@ -42,9 +42,9 @@ def test_many_concurrent_requests_of_very_different_lengths(tap, model):
 
 
 def test_requests_built_ahead_carry_their_own_marker_and_match_hf(tap, model):
-    """The Tap builds the next requests while the engine runs (``Tap.prebuild``, ``compat.request_builder``):
+    """With ``Tap.prebuild`` the Tap builds the next requests while the engine runs (``compat.request_builder``):
     the seam must exist on this vLLM, and requests built ahead from one shared params template must each keep
-    their own input's marker (else the proof fails by index). Built at admission (prebuild off), the same
+    their own input's marker (else the proof fails by index). Built at admission (the default), the same
     inputs give the same rows."""
     import torch
 
@@ -53,12 +53,13 @@ def test_requests_built_ahead_carry_their_own_marker_and_match_hf(tap, model):
     assert compat.request_builder(tap.llm.llm_engine, tap.version) is not None, "no request-building seam"
     inputs = random_prompts(20, [30, 7, 120, 61], seed=21)
     tap.max_inflight = 3  # three built ahead at a time, admitted one and two at a time
+    tap.prebuild = True
     try:
         ahead = {r.index: r for r in tap.capture(inputs)}
         tap.prebuild = False
         at_admission = {r.index: r for r in tap.capture(inputs)}
     finally:
-        tap.prebuild, tap.max_inflight = True, None
+        tap.prebuild, tap.max_inflight = False, None
     assert sorted(ahead) == sorted(at_admission) == list(range(20))
     for i, r in ahead.items():
         assert r.token_ids.tolist() == inputs[i]["token_ids"]
