@@ -269,6 +269,22 @@ def output_waiting_check(llm: Any) -> Callable[[], bool] | None:
     return None
 
 
+def output_wait(llm: Any) -> Callable[[float], None] | None:
+    """A wait of at most ``timeout`` s that ends as soon as the engine core's next output is queued in this
+    process (the queue's own condition, which its ``put`` notifies; the GIL is released meanwhile), or
+    ``None`` without such a queue (``engine_output_queue``)."""
+    q = engine_output_queue(llm.llm_engine)
+    if q is None:
+        return None
+
+    def wait(timeout: float) -> None:
+        with q.not_empty:
+            if not q.queue:
+                q.not_empty.wait(timeout)
+
+    return wait
+
+
 def engine_dead(llm: Any) -> bool:
     """True once the frontend has seen the engine-core process die (no hang waiting for it)."""
     core = getattr(llm.llm_engine, "engine_core", None)
