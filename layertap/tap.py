@@ -392,6 +392,7 @@ class Tap:
         # this process, the driver takes it (and refills from it) before proving and handing out more records;
         # at least one record goes per round, so records never starve (None: no queue to look at).
         output_waiting = self._output_waiting if self.defer_records else None
+
         def take_landed(timeout: float) -> None:
             """Records committed so far (waiting up to ``timeout`` for one), filed by key until due."""
             for rec in self.source.poll(timeout=timeout):
