@@ -30,6 +30,9 @@
 # plain-spawn,floor,capture,capture-wait,capture-prebuild,capture-chunked,capture-after (SMALL_ARGS="--prompts 128"
 # where device time is short): capture-wait (records handed out while the engine computes) against capture and
 # the bound capture-after; capture-prebuild (requests built ahead); capture-chunked (record copies in 1 MiB pieces).
+# Its second lease (H100, noisy, 4 in flight only): capture-wait cut `late` only from 0.82 to 0.68 ms (plain 0.19),
+# so most of it is the Tap loop's other work between step calls: first run stepprof at 4 in flight with
+# STEPPROF_VARIANTS=plain-spawn,capture-raw,capture (the driver's functions, per request), then the pair above.
 # Since the seventh session of 2026-12-06 the step profile (stepprof) says where the engine thread's time goes,
 # function by function: ~0.35 ms a request for the floor, ~0.73 for capture, on ~10 ms steps (RESULTS.md). Measure
 # a change to that thread with LEASE_STEPS="leantests small stepprof": its counters hold across hosts where the
