@@ -50,9 +50,6 @@ out), within the noise on 2026-12-06 (RESULTS, sixth session);
     capture-prebuild   capture with the Tap building the next requests (vLLM's input processing) while the engine
                        runs, so admitting one after a finished request is only its send (Tap.prebuild=True; by
                        default each is built as it is admitted): capture-prebuild / capture is what that buys
-    capture-wait       capture with the Tap taking records off the pool and handing them out while the engine computes,
-                       until its next output waits (Tap.records_while_waiting): by default they are taken after
-                       that output, where their work can hold the next one (the ``late`` phase)
     capture-after      capture-raw with no record work in the driving process while the clock runs: records wait in
                        the pool until the call's requests finished (needs --chunk). Beside floor, the engine's
                        record path alone; capture / capture-after, the driving process's record work
@@ -460,8 +457,7 @@ def shm_slots(args) -> int:
 class Capture:
     """layertap capture through the Tap: every record is counted and its token digest proven."""
 
-    def __init__(self, model, data, args, defer_records: bool = True, prebuild: bool = False,
-                 records_while_waiting: bool = False, **extra):
+    def __init__(self, model, data, args, defer_records: bool = True, prebuild: bool = False, **extra):
         from layertap.tap import Tap
 
         self.inputs = [{"token_ids": ids} for ids in data]
@@ -476,7 +472,6 @@ class Capture:
                        **engine_kwargs(args), **extra)
         self.tap.defer_records = defer_records
         self.tap.prebuild = prebuild
-        self.tap.records_while_waiting = records_while_waiting
 
     def rate(self, inflight: int, data=None) -> float:
         inputs = self.inputs if data is None else [{"token_ids": ids} for ids in data]
@@ -613,7 +608,6 @@ VARIANTS = {
     "capture-after": lambda m, d, a: CaptureAfter(m, d, a, **profiler_kwargs(a, "capture-after")),
     "capture-eager": lambda m, d, a: Capture(m, d, a, defer_records=False, **profiler_kwargs(a, "capture-eager")),
     "capture-prebuild": lambda m, d, a: Capture(m, d, a, prebuild=True, **profiler_kwargs(a, "capture-prebuild")),
-    "capture-wait": lambda m, d, a: Capture(m, d, a, records_while_waiting=True, **profiler_kwargs(a, "capture-wait")),
     "floor-extract": lambda m, d, a: Floor(m, d, a, path="extract", **profiler_kwargs(a, "floor-extract")),
     "capture-extract": lambda m, d, a: Capture(m, d, a, capture_path="extract", **profiler_kwargs(a, "capture-extract")),
 }

@@ -121,16 +121,8 @@ class Tap:
         """Build the next requests (vLLM's input processing) while the engine runs, so that admitting one after
         a finished request is only its send (``compat.request_builder``; ignored where that vLLM has no such
         seam). Off by default until a GPU pair shows it pays: on the CPU box it cuts the admission of a
-        1,024-token request from ~425 to ~110 us, with no measurable change in throughput (RESULTS 2026-12-06,
-        eleventh session); ``capture_overhead.py`` capture-prebuild measures it."""
-        self.records_while_waiting = False
-        """While the engine computes and a record is due, take records off the transport and hand them out as
-        they land, until the engine's next output waits (``compat.output_wait``); by default they are taken
-        after that output. Meant to keep the driver's record work off the moment an output arrives (the
-        ``late`` phase of ``capture_overhead.py --stats``: 0.7-0.9 ms a request at 4 in flight on the H200,
-        RESULTS 2026-12-06, eleventh session); a candidate until a GPU pair says (variant capture-wait)."""
-        self.handed_while_waiting = 0
-        """Records handed out while the engine computed (``records_while_waiting``), over the Tap's life."""
+        1,024-token request to ~0.3 of its time (``benchmarks/admission_cost.py``), with no measurable change in
+        throughput (RESULTS 2026-12-06, eleventh session); ``capture_overhead.py`` capture-prebuild measures that."""
         self.deferrals = 0
         """Rounds in which records waited for an engine output (``defer_records``), over the Tap's life."""
         self.run = uuid.uuid4().hex[:8]
@@ -393,47 +385,6 @@ class Tap:
         # at least one record goes per round, so records never starve (None: no queue to look at).
         output_waiting = self._output_waiting if self.defer_records else None
 
-        def take_landed(timeout: float) -> None:
-            """Records committed so far (waiting up to ``timeout`` for one), filed by key until due."""
-            for rec in self.source.poll(timeout=timeout):
-                if rec.meta.get("run") != self.run:
-                    raise CaptureError(f"record {rec.key} (index {rec.index}) belongs to another run")
-                if rec.key in self._stale_keys or self._abandoned(rec):  # from an iteration the caller left
-                    self._stale_keys.discard(rec.key)
-                    rec.release()
-                    continue
-                early[rec.key] = rec
-
-        def hand_out(hurry: Callable[[], bool] | None) -> Iterator[Record]:
-            """Prove and yield every record whose request finished; returns True where it stopped because an
-            engine output waits (at least one record goes first)."""
-            nonlocal last_progress
-            handed = 0
-            for key in [k for k in early if k in expect]:
-                if handed and hurry is not None and hurry():
-                    return True
-                rec = early.pop(key)
-                self._prove(rec, *expect.pop(key))
-                last_progress = time.monotonic()
-                handed += 1
-                yield rec
-            return False
-
-        wait_output = compat.output_wait(self.llm) if self.records_while_waiting else None
-
-        def while_waiting() -> Iterator[Record]:
-            """While the engine computes: records as they land, until its next output waits (at most 1 s: then
-            ``step`` waits for it, under the watchdog)."""
-            deadline = time.monotonic() + 1.0
-            while expect and not self._output_waiting() and time.monotonic() < deadline:
-                take_landed(0.0)
-                if any(k in expect for k in early):
-                    n = len(expect)
-                    yield from hand_out(self._output_waiting)
-                    self.handed_while_waiting += n - len(expect)
-                else:
-                    wait_output(0.002)  # wakes at once when the output is queued; a record may wait 2 ms
-
         if not queue and rest is not None:  # the first round's inputs were all skipped or rejected
             queue, rest = list(reversed(rest())), None
         while queue or ready or running or expect:  # a pending rest implies a non-empty first round (above)
@@ -444,8 +395,6 @@ class Tap:
                 running += admit()
             if running:
                 prepare()
-                if wait_output is not None and self._output_waiting is not None:
-                    yield from while_waiting()
                 try:
                     outs = self.step()
                 except watchdog.EngineTimeout:
@@ -490,8 +439,24 @@ class Tap:
             # until its request finished: taking it earlier is driver work in the way of the engine's next
             # output (H100, 2026-12-06: that output waited 0.20 ms a request in this process at 1 in flight).
             if not deferred and (expect or not running):
-                take_landed(0.05 if idle else 0.0)
-            deferred = (yield from hand_out(hurry)) or deferred
+                for rec in self.source.poll(timeout=0.05 if idle else 0.0):
+                    if rec.meta.get("run") != self.run:
+                        raise CaptureError(f"record {rec.key} (index {rec.index}) belongs to another run")
+                    if rec.key in self._stale_keys or self._abandoned(rec):  # from an iteration the caller left
+                        self._stale_keys.discard(rec.key)
+                        rec.release()
+                        continue
+                    early[rec.key] = rec
+            handed = 0
+            for key in [k for k in early if k in expect]:
+                if handed and hurry is not None and hurry():
+                    deferred = True
+                    break
+                rec = early.pop(key)
+                self._prove(rec, *expect.pop(key))
+                last_progress = time.monotonic()
+                handed += 1
+                yield rec
             self.deferrals += deferred
             if compat.engine_dead(self.llm):
                 raise _engine_died(expect, by_req, [*queue, *(r[0] for r in ready)])

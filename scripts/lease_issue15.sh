@@ -25,14 +25,14 @@
 # a variant that runs the record process without its host copies (to build: it isolates the copies' effect).
 # Eleventh session (2026-12-06, H200, one round only: capture-after's pool was too small at 16 in flight, fixed): at
 # 4 in flight every Tap-driven engine's outputs waited 0.7-0.9 ms in the driver (`late`) against 0.18-0.24 for
-# plain, the floor and capture-after (no record work in the driver during the run): the driver's record work
-# holds the engine's next output. Next lease: LEASE_STEPS=small SMALL_BATCH_SIZES=1,4 SMALL_VARIANTS=plain,
-# plain-spawn,floor,capture,capture-wait,capture-prebuild,capture-chunked,capture-after (SMALL_ARGS="--prompts 128"
-# where device time is short): capture-wait (records handed out while the engine computes) against capture and
-# the bound capture-after; capture-prebuild (requests built ahead); capture-chunked (record copies in 1 MiB pieces).
-# Its second lease (H100, noisy, 4 in flight only): capture-wait cut `late` only from 0.82 to 0.68 ms (plain 0.19),
-# so most of it is the Tap loop's other work between step calls: first run stepprof at 4 in flight with
-# STEPPROF_VARIANTS=plain-spawn,capture-raw,capture (the driver's functions, per request), then the pair above.
+# plain, the floor and capture-after (the capture engine driven without the Tap's loop): the Tap's driving holds
+# the engine's next output. Its second lease (H100, noisy, 4 in flight only): handing records out while the
+# engine computes (capture-wait, removed since) cut `late` only from 0.82 to 0.68 ms (plain 0.19), so most of it is
+# the Tap loop's other work between step calls. Next lease: first LEASE_STEPS=stepprof STEPPROF_INFLIGHT=4
+# STEPPROF_VARIANTS=plain-spawn,capture-raw,capture (the driver's functions, per request); then LEASE_STEPS=small
+# SMALL_BATCH_SIZES=1,4 SMALL_VARIANTS=plain,plain-spawn,floor,capture,capture-prebuild,capture-chunked,capture-after
+# (SMALL_ARGS="--prompts 128" where device time is short): capture-after is the bound; capture-prebuild (requests
+# built ahead); capture-chunked (record copies in 1 MiB pieces).
 # Since the seventh session of 2026-12-06 the step profile (stepprof) says where the engine thread's time goes,
 # function by function: ~0.35 ms a request for the floor, ~0.73 for capture, on ~10 ms steps (RESULTS.md). Measure
 # a change to that thread with LEASE_STEPS="leantests small stepprof": its counters hold across hosts where the

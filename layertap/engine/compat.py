@@ -217,7 +217,8 @@ class _MuteRequestObjectNotice(logging.Filter):
 def request_builder(engine: Any, v: str) -> Callable[[str, Any, Any], Any] | None:
     """A function that turns (request id, prompt, params) into vLLM's own request object ahead of admission,
     or ``None`` where this vLLM offers no such seam. ``LLMEngine.add_request`` spends ~3/4 of its time in
-    the input processor (0.32 on the CPU box: 317 of 425 us for a 1,024-token prompt); given the processed
+    the input processor (0.32 on the CPU box, ``benchmarks/admission_cost.py``: 473 of 676 us for a 1,024-token
+    prompt, the send of a built one 189 us); given the processed
     request (0.25 and 0.32 accept it) it only registers and sends it. The Tap builds the next requests while
     the engine runs, so the moment between a finished request and its successors' admission holds only the
     sends (``Tap._loop``). The request's arrival time is set again when it is sent (``send_built``)."""
@@ -267,22 +268,6 @@ def output_waiting_check(llm: Any) -> Callable[[], bool] | None:
         log.warning("layertap: vLLM %s's engine client %s has no outputs_queue; records are handled as they "
                     "come, not deferred while an engine output waits", vllm_version(), type(core).__name__)
     return None
-
-
-def output_wait(llm: Any) -> Callable[[float], None] | None:
-    """A wait of at most ``timeout`` s that ends as soon as the engine core's next output is queued in this
-    process (the queue's own condition, which its ``put`` notifies; the GIL is released meanwhile), or
-    ``None`` without such a queue (``engine_output_queue``)."""
-    q = engine_output_queue(llm.llm_engine)
-    if q is None:
-        return None
-
-    def wait(timeout: float) -> None:
-        with q.not_empty:
-            if not q.queue:
-                q.not_empty.wait(timeout)
-
-    return wait
 
 
 def engine_dead(llm: Any) -> bool:

@@ -307,29 +307,6 @@ def test_generate_mode_rows_cover_prompt_and_generated_tokens(tap, model):
     assert_all_match(recs, model)
 
 
-def test_records_handed_out_while_the_engine_computes_match_hf(tap, model):
-    """``Tap.records_while_waiting``: records are taken and handed out while the engine computes, until its next
-    output waits. Generating, a finished request's record is saved in a later step while the others still run,
-    so records do land during those waits (``handed_while_waiting``); every record still comes, right, and a
-    request's record is never handed out before its request finished."""
-    from vllm import SamplingParams
-
-    inputs = random_prompts(12, [5, 60, 130], seed=31)
-    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    before = tap.handed_while_waiting
-    tap.records_while_waiting = True
-    try:
-        recs = []
-        for r in tap.capture(inputs, mode="generate", sampling_params=sp):
-            assert r.hidden_states.shape[0] == len(inputs[r.index]["token_ids"]) + 24 - 1
-            recs.append(r)
-    finally:
-        tap.records_while_waiting = False
-    assert sorted(r.index for r in recs) == list(range(12))
-    assert tap.handed_while_waiting > before, "no record was handed out while the engine computed"
-    assert_all_match(recs, model)
-
-
 def test_seeded_sampling_with_chunked_prefill(tap, model):
     """A per-request seed with prompts prefilled in several chunks (300 tokens, 128 per step) once killed
     the CPU engine ("CPU Generator does not use offset"). Now: rows match HF, and a rerun whose prompts
