@@ -81,6 +81,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -166,6 +167,23 @@ def drive(engine, batch: list[list[int]], inflight: int, params_for) -> int:
     return tokens
 
 
+def where(frame) -> str:
+    """What the driving thread was doing when an engine output arrived (sampled from the receiving thread):
+    its innermost frame, and the innermost frame of layertap's Tap or of this benchmark's driving code, the
+    line that tells the phase (admission, records, the caller's loop)."""
+    inner, outer = None, None
+    f, depth = frame, 0
+    while f is not None and depth < 60:
+        code = f.f_code
+        name = os.path.basename(code.co_filename)
+        if inner is None:
+            inner = f"{name}:{code.co_name}"
+        if outer is None and (name == "capture_overhead.py" or code.co_filename.endswith("layertap/tap.py")):
+            outer = f"{name}:{f.f_lineno} {code.co_name}"
+        f, depth = f.f_back, depth + 1
+    return f"{outer or '?'} | {inner or '?'}"
+
+
 class Timeline:
     """Where a request's time goes, seen from the driving process: wraps one ``LLMEngine``'s ``add_request``
     and ``step`` (a few clock reads per call, the same for every variant). Per ``rate`` call it reports
@@ -238,17 +256,22 @@ class Timeline:
             return
         core = engine.engine_core
         get = core.get_output
-        arrivals: collections.deque[float] = collections.deque()
+        arrivals: collections.deque[tuple[float, str]] = collections.deque()
         put = q.put_nowait
+        driver = threading.get_ident()  # the thread that drives the engine (this one)
 
         def put_nowait(item):  # the receiving thread's only way into the queue (looked up on each call)
-            arrivals.append(time.monotonic())
+            arrivals.append((time.monotonic(), where(sys._current_frames().get(driver))))
             put(item)
 
         def get_output():
             t_call = time.monotonic()
             outs = get()
-            self.last_get = (t_call, arrivals.popleft() if arrivals else t_call)
+            arrived, busy = arrivals.popleft() if arrivals else (t_call, "")
+            self.last_get = (t_call, arrived)
+            # the driver was busy when an output that finishes requests arrived (the ``late`` phase's): with what
+            if t_call > arrived and any(getattr(o, "finished", False) for o in getattr(outs, "outputs", ())):
+                self.late_by[busy] += (t_call - arrived) * sum(o.finished for o in outs.outputs)
             return outs
 
         q.put_nowait, core.get_output = put_nowait, get_output
@@ -274,6 +297,7 @@ class Timeline:
         self.last_done: float | None = None
         self.phases: dict[str, list[float]] = {k: [] for k in self.PHASES}
         self.calls: list[tuple[float, float, float]] = []  # per measured call: (head, tail, its whole time)
+        self.late_by: collections.Counter[str] = collections.Counter()  # late seconds by the driver's code then
 
     def segment(self, call: tuple[float, float] | None = None) -> None:
         """Close the events measured so far as one segment (the engine idles until the next one starts).
@@ -312,6 +336,8 @@ class Timeline:
             heads, tails, whole = zip(*self.calls)
             out["outside"] = (sum(heads) + sum(tails)) / sum(whole)
             out["head_ms"], out["tail_ms"] = 1e3 * statistics.fmean(heads), 1e3 * statistics.fmean(tails)
+        if self.late_by:  # late ms a request, by what the driver was doing when the output arrived
+            out["late_by"] = {k: 1e3 * v / len(self.latencies) for k, v in self.late_by.most_common(6)}
         for k, v in self.phases.items():
             if v:  # late: a mean (most outputs wait not at all; a median would hide the ones that do)
                 out[f"{k}_ms"] = 1e3 * (statistics.fmean(v) if k == "late" else statistics.median(v))
@@ -691,6 +717,9 @@ def measure(variants: list[str], model, data, args) -> dict[str, dict]:
                              + (f", outside requests {100 * tl['outside']:.1f}% (head {tl['head_ms']:.2f} / tail "
                                 f"{tl['tail_ms']:.2f} ms a call)" if "outside" in tl else "") + ")" if tl else ""),
                           flush=True)
+                    if tl.get("late_by"):
+                        print("      late by the driver's code then (ms a request): " + "; ".join(
+                            f"{k} {v:.3f}" for k, v in tl["late_by"].items()), flush=True)
         profiles = profile_engines(runners, data, args) if args.profile_dir else {}
         return {"rates": out, "pieces": pieces, "timeline": seen, "profiles": profiles}
     finally:
