@@ -12,7 +12,9 @@ It then asks whether a record's copy holds up the engine's own small device-to-h
 step's sampled token ids to the host on a stream of its own and waits for them before the step's output):
 the time until an 8-byte copy on a second stream has landed, alone and queued just after one record-sized copy
 on the first stream (into the registered mapping, as the worker does). If the small copy waits for the big
-one, a record of N MiB delays the output of its step by its whole copy time.
+one, a record of N MiB delays the output of its step by its whole copy time; and whether it waits less when the
+record is copied in 1 MiB pieces. Last, the same small copy and a matmul, alone and beside another process that
+copies records to the host back to back (its own CUDA context, as layertap's record process).
 """
 
 from __future__ import annotations
@@ -69,7 +71,10 @@ def head_of_line(dst: torch.Tensor, src: torch.Tensor) -> dict[str, float]:
     big = (big_s, dst, src)
     tiny_host = torch.empty(8, dtype=torch.uint8, pin_memory=True)
     small = (small_s, tiny_host, torch.zeros(8, dtype=torch.uint8, device=src.device))
-    cases = {"small alone": (small_s, small), "big alone": (big_s, big), "small after big": (small_s, big, small)}
+    piece = 1 << 20  # the same big copy in 1 MiB pieces (the record process's offload_copy_chunk_kb=1024)
+    pieces = [(big_s, dst[i:i + piece], src[i:i + piece]) for i in range(0, src.numel(), piece)]
+    cases = {"small alone": (small_s, small), "big alone": (big_s, big), "small after big": (small_s, big, small),
+             "small after big in pieces": (small_s, *pieces, small)}
     times: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(HOL_REPS):
         for k, (wait, *copies) in cases.items():
@@ -77,10 +82,74 @@ def head_of_line(dst: torch.Tensor, src: torch.Tensor) -> dict[str, float]:
     return {k: statistics.median(v) * 1e6 for k, v in times.items()}
 
 
+def _copier(mb: int, seconds: float, ready, go) -> None:
+    """In another process (its own CUDA context, as layertap's record process): device-to-host copies of ``mb``
+    MiB into page-locked memory, back to back, for ``seconds``."""
+    src = torch.zeros(mb << 20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(mb << 20, dtype=torch.uint8, pin_memory=True)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        dst.copy_(src, non_blocking=True)
+    s.synchronize()
+    ready.set()
+    go.wait()
+    end = time.perf_counter() + seconds
+    with torch.cuda.stream(s):
+        while time.perf_counter() < end:
+            dst.copy_(src, non_blocking=True)
+            s.synchronize()
+
+
+def other_process(mb: int, reps: int = 200) -> dict[str, float]:
+    """Median and p90 microseconds of what a vLLM step waits for, with and without another process copying
+    ``mb`` MiB records to the host back to back: an 8-byte device-to-host copy on its own stream (the
+    sampled token ids), and a 4096 x 2048 x 2048 bf16 matmul (a slice of a forward step)."""
+    import multiprocessing as mp
+    import statistics
+
+    small_s = torch.cuda.Stream()
+    tiny_host = torch.empty(8, dtype=torch.uint8, pin_memory=True)
+    tiny = torch.zeros(8, dtype=torch.uint8, device="cuda")
+    a = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+
+    def sample() -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {"small copy": [], "matmul": []}
+        for _ in range(reps):
+            out["small copy"].append(_until_landed(small_s, (small_s, tiny_host, tiny)))
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            a @ b
+            torch.cuda.synchronize()
+            out["matmul"].append(time.perf_counter() - t0)
+        return out
+
+    def stats(v: list[float]) -> tuple[float, float]:
+        v = sorted(v)
+        return statistics.median(v) * 1e6, v[int(0.9 * (len(v) - 1))] * 1e6
+
+    sample()  # warm-up
+    alone = sample()
+    ctx = mp.get_context("spawn")
+    ready, go = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=_copier, args=(mb, 30.0, ready, go), daemon=True)
+    p.start()
+    if not ready.wait(120):
+        p.kill()
+        raise SystemExit("the copying process did not start")
+    go.set()
+    time.sleep(0.2)
+    during = sample()
+    p.kill()
+    p.join()
+    return {f"{k} {w}": stats(v[k]) for w, v in (("alone", alone), ("beside", during)) for k in v}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=int, default=16, help="size of one copy (a record of 1024 tokens x 4 layers x 2048 x bf16 is 16 MiB)")
     ap.add_argument("--copies", type=int, default=64)
+    ap.add_argument("--no-other-process", action="store_true", help="skip the test beside another process's copies")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("d2h_bandwidth needs a CUDA device")
@@ -120,7 +189,13 @@ def main() -> None:
     if err is None:
         print(f"  an 8-byte copy on its own stream, us (median of {HOL_REPS}): alone {hol['small alone']:.0f}, queued just "
               f"after a {args.mb} MiB copy into the registered mapping {hol['small after big']:.0f} (that copy alone: "
-              f"{hol['big alone']:.0f})")
+              f"{hol['big alone']:.0f}); after the same copy in 1 MiB pieces {hol['small after big in pieces']:.0f}")
+    if not args.no_other_process:
+        res = other_process(args.mb)
+        print(f"  beside another process copying {args.mb} MiB records to the host back to back (its own CUDA context, "
+              "as layertap's record process), us, median / p90:")
+        for k, (med, p90) in res.items():
+            print(f"    {k:<22} {med:8.0f} / {p90:8.0f}")
     tok = 4 * 2048 * 2
     print(f"  (a token of 4 layers x 2048 x bf16 is {tok} bytes: the registered pool carries "
           f"{results.get('shm mapping + cudaHostRegister', 0) * 1e9 / tok / 1e3:,.0f}K tokens/s)")
