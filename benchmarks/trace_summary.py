@@ -99,10 +99,21 @@ def summarize(path: Path, requests: int = 1, top: int = 12, kernel_top: int = 60
         "empty_step_ms_per_request": sum(e["dur"] for e in empty) * ms,
         "between_steps_ms_per_request": (window - _union(step_ivs)) * ms if step_ivs else None,
         "decode_steps_per_request": len(decode) / n,
+        # how full the steps were: "execute_context_<requests>(<tokens>)" -> how many steps, their median ms (CPU)
+        "step_sizes": {k: [len(v), statistics.median(v)] for k, v in sorted(_step_sizes(steps).items())},
         "decode_step_ms_median": statistics.median(e["dur"] for e in decode) * 1e-3 if decode else None,
         "kernel_ms_per_request": sum(kernels.values()) * ms,
         "top_kernels_ms_per_request": {k: v * ms for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:kernel_top]},
     }
+
+
+def _step_sizes(steps: list[dict]) -> dict[str, list[float]]:
+    """Durations (ms) of the engine's steps by their context part (``execute_context_4(4096)``: 4 requests,
+    4,096 tokens), the part of vLLM's step annotation that says how full a prefill step was."""
+    out: dict[str, list[float]] = collections.defaultdict(list)
+    for e in steps:
+        out[e["name"].split("_generation", 1)[0]].append(e["dur"] * 1e-3)
+    return out
 
 
 def _kernel_name(name: str) -> str:

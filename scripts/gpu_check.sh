@@ -94,7 +94,7 @@ if [ "$phase" = bench ] || [ "$phase" = all ]; then
   mkdir -p "$OUT/profile" && cp /tmp/lt-profile/*/*.summary.json "$OUT/profile/" 2>/dev/null
   pin=${PROFILE_INFLIGHT:-1,4}
   for t in /tmp/lt-profile/{plain,floor,capture}/*inflight${pin%%,*}*.json.gz; do  # traces to open in Perfetto, if small
-    [ -f "$t" ] && [ "$(stat -c %s "$t")" -lt 15000000 ] && cp "$t" "$OUT/profile/"
+    [ -f "$t" ] && [ "$(stat -c %s "$t")" -lt ${TRACE_MAX_BYTES:-15000000} ] && cp "$t" "$OUT/profile/"
   done
   if [ -f benchmarks/train_throughput.py ] && [ -z "${SKIP_TRAIN_BENCH:-}" ]; then
     python3 benchmarks/train_throughput.py 2>&1 | tee "$OUT/train_throughput.log" | tail -8
