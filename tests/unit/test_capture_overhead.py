@@ -88,3 +88,50 @@ def test_timeline_keeps_each_calls_time_outside_its_requests():
     tl.segment()  # a segment closed without its call's times: requests measured, nothing said of outside
     out = tl.summary(1)
     assert out["occupancy"] > 0.99 and "outside" not in out
+
+
+class _Core:
+    """vLLM's multiprocess client as the Timeline sees it: a receiving thread puts each engine output into
+    ``outputs_queue``; ``get_output`` takes the next one."""
+
+    def __init__(self):
+        import queue
+
+        self.outputs_queue = queue.Queue()
+
+    def get_output(self):
+        return self.outputs_queue.get(timeout=5)
+
+
+class _Outputs:
+    def __init__(self, finished: int):
+        self.outputs = [type("O", (), {"finished": True})() for _ in range(finished)]
+
+
+def test_late_is_split_by_what_the_driving_thread_was_doing():
+    """An output that arrives while the driving thread is busy (here: sleeping in a named function) waits
+    until it asks; that wait is charged to the function it was in, and only for outputs that finish requests."""
+    import threading
+    import time
+
+    eng = _Engine()
+    eng.engine_core = _Core()
+    tl = co.Timeline(eng)
+    q = eng.engine_core.outputs_queue
+
+    def busy_elsewhere():
+        time.sleep(0.05)
+
+    def deliver(item):
+        time.sleep(0.01)  # the driving thread is in busy_elsewhere by then
+        q.put_nowait(item)
+
+    for item in (_Outputs(finished=2), _Outputs(finished=0)):
+        th = threading.Thread(target=deliver, args=(item,))
+        th.start()
+        busy_elsewhere()
+        th.join()
+        assert eng.engine_core.get_output() is item
+    (where, late), = tl.late_by.items()  # the output that finished nothing is not charged
+    assert where == "? | test_capture_overhead.py:busy_elsewhere"  # no Tap or benchmark frame on that stack
+    assert 2 * 0.03 < late < 2 * 0.06  # ~40 ms of waiting, for each of its two finished requests

@@ -77,3 +77,13 @@ def test_decode_steps_and_kernel_diff(tmp_path):
     diff = trace_summary.kernel_diff(a, b).splitlines()
     assert diff[2].split()[0] == "reshape_and_cache_flash_kernel" and diff[2].split()[-1] == "+0.008"
     assert "decode steps" in trace_summary.compare({"a": a, "b": b})
+
+
+def test_steps_by_how_full_they_were(tmp_path):
+    events = [_ev("execute_context_2(2048)_generation_0(0)", 0, 100), _ev("execute_context_2(2048)_generation_0(0)", 200, 300),
+              _ev("execute_context_4(4096)_generation_0(0)", 600, 500), _ev("execute_context_0(0)_generation_0(0)", 1200, 10)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    s = trace_summary.summarize(path, requests=8)
+    assert s["step_sizes"] == {"execute_context_0(0)": [1, 0.01], "execute_context_2(2048)": [2, 0.2],
+                               "execute_context_4(4096)": [1, 0.5]}
