@@ -33,6 +33,18 @@
 # SMALL_BATCH_SIZES=1,4 SMALL_VARIANTS=plain,plain-spawn,floor,capture,capture-prebuild,capture-chunked,capture-after
 # (SMALL_ARGS="--prompts 128" where device time is short): capture-after is the bound; capture-prebuild (requests
 # built ahead); capture-chunked (record copies in 1 MiB pieces).
+# Twelfth session (2026-12-07): no machine (13 starts refused, 7 calls not tried, 02:25-04:05 UTC). A re-read of the fourth lease's
+# traces at 4 in flight (benchmarks/results/2026-12-06-s42-h100/profile) shows plain vLLM's GPU busy only 45% of the
+# time there, its engine-core thread busy ~85%: at 1-4 in flight the small model is host-bound, so every microsecond
+# capture adds on the engine thread or in the driver's way costs throughput nearly one for one. New measuring aids:
+# --stats now splits `late` by what the driving thread was doing when each output arrived ("late by" lines);
+# trace summaries count steps by how full they were (step_sizes); d2h_bandwidth measures a small copy and a matmul
+# beside another process's record copies, whole and in 1 MiB pieces. Next lease (each is cheap; in this order):
+#   PRE='MODELS=small bash scripts/gpu_check.sh models && timeout 150 python3 benchmarks/d2h_bandwidth.py --mb 16
+#     --copies 16 > $OUT/d2h.txt 2>&1'   (does the record process's copy hold the engine's own small copies?)
+#   TRACE_MAX_BYTES=4000000 SMALL_VARIANTS=plain,floor,capture,capture-chunked,capture-prebuild,capture-after
+#     SMALL_BATCH_SIZES=1,4 SMALL_REPEATS=4 SMALL_ARGS="--prompts 128" SMALL_SKIP_PROFILE= PROFILE_INFLIGHT=4
+#     LEASE_STEPS=small   (~8 min on a fast host; with the trace summaries at 4 in flight)
 # Since the seventh session of 2026-12-06 the step profile (stepprof) says where the engine thread's time goes,
 # function by function: ~0.35 ms a request for the floor, ~0.73 for capture, on ~10 ms steps (RESULTS.md). Measure
 # a change to that thread with LEASE_STEPS="leantests small stepprof": its counters hold across hosts where the
