@@ -33,7 +33,7 @@
 # SMALL_BATCH_SIZES=1,4 SMALL_VARIANTS=plain,plain-spawn,floor,capture,capture-prebuild,capture-chunked,capture-after
 # (SMALL_ARGS="--prompts 128" where device time is short): capture-after is the bound; capture-prebuild (requests
 # built ahead); capture-chunked (record copies in 1 MiB pieces).
-# Twelfth session (2026-12-07): no machine (13 starts refused, 7 calls not tried, 02:25-04:05 UTC). A re-read of the fourth lease's
+# Twelfth session (2026-12-07): no machine (13 starts refused, 7 calls not tried, 02:25-04:05 UTC). A re-read of the fifth session's
 # traces at 4 in flight (benchmarks/results/2026-12-06-s42-h100/profile) shows plain vLLM's GPU busy only 45% of the
 # time there, its engine-core thread busy ~85%: at 1-4 in flight the small model is host-bound, so every microsecond
 # capture adds on the engine thread or in the driver's way costs throughput nearly one for one. New measuring aids:
