@@ -21,6 +21,7 @@ out), within the noise on 2026-12-06 (RESULTS, sixth session);
                        The same work as plain, so plain-spawn / plain is an A/A control: how far two engines
                        drift apart on the host with no change of work (H100, 2026-12-05: 0.89-1.23 across
                        rounds at 1-4 in flight; spawning itself cost nothing: medians 1.04-1.16)
+    plain-sync         plain with vLLM's synchronous scheduling (async_scheduling=False); see capture-sync
     floor              the hook capture engine + the layertap connector, reading no rows (the cost of the
                        model writing its rows into the capture layer)
     floor-gather       floor, plus each record's rows gathered on the device as ``capture`` gathers them (the
@@ -53,6 +54,9 @@ out), within the noise on 2026-12-06 (RESULTS, sixth session);
     capture-after      capture-raw with no record work in the driving process while the clock runs: records wait in
                        the pool until the call's requests finished (needs --chunk). Beside floor, the engine's
                        record path alone; capture / capture-after, the driving process's record work
+    capture-sync       capture with vLLM's synchronous scheduling (async_scheduling=False): beside plain-sync
+                       (plain, the same), whether the engine's one-step-ahead scheduling is what sets capture's
+                       requests into alternating half batches at 1-4 in flight (trace summaries: step_sizes)
     capture-eager      capture with the Tap proving and handing out every committed record before its next
                        engine step (Tap.defer_records=False); by default records wait while an engine output
                        does (at least one a round): capture / capture-eager is what that ordering buys, and
@@ -617,6 +621,7 @@ def profiler_kwargs(args, variant: str) -> dict:
 VARIANTS = {
     "plain": lambda m, d, a: Plain(m, d, a, **profiler_kwargs(a, "plain")),
     "plain-spawn": lambda m, d, a: Plain(m, d, a, spawn=True, **profiler_kwargs(a, "plain-spawn")),
+    "plain-sync": lambda m, d, a: Plain(m, d, a, async_scheduling=False, **profiler_kwargs(a, "plain-sync")),
     "floor": lambda m, d, a: Floor(m, d, a, **profiler_kwargs(a, "floor")),
     "floor-gather": lambda m, d, a: Floor(m, d, a, gather=True, **profiler_kwargs(a, "floor-gather")),
     "capture": lambda m, d, a: Capture(m, d, a, **profiler_kwargs(a, "capture")),
@@ -634,6 +639,7 @@ VARIANTS = {
     "capture-after": lambda m, d, a: CaptureAfter(m, d, a, **profiler_kwargs(a, "capture-after")),
     "capture-eager": lambda m, d, a: Capture(m, d, a, defer_records=False, **profiler_kwargs(a, "capture-eager")),
     "capture-prebuild": lambda m, d, a: Capture(m, d, a, prebuild=True, **profiler_kwargs(a, "capture-prebuild")),
+    "capture-sync": lambda m, d, a: Capture(m, d, a, async_scheduling=False, **profiler_kwargs(a, "capture-sync")),
     "floor-extract": lambda m, d, a: Floor(m, d, a, path="extract", **profiler_kwargs(a, "floor-extract")),
     "capture-extract": lambda m, d, a: Capture(m, d, a, capture_path="extract", **profiler_kwargs(a, "capture-extract")),
 }

@@ -42,9 +42,10 @@
 # beside another process's record copies, whole and in 1 MiB pieces. Next lease (each is cheap; in this order):
 #   PRE='MODELS=small bash scripts/gpu_check.sh models && timeout 150 python3 benchmarks/d2h_bandwidth.py --mb 16
 #     --copies 16 > $OUT/d2h.txt 2>&1'   (does the record process's copy hold the engine's own small copies?)
-#   TRACE_MAX_BYTES=4000000 SMALL_VARIANTS=plain,floor,capture,capture-chunked,capture-prebuild,capture-after
-#     SMALL_BATCH_SIZES=1,4 SMALL_REPEATS=4 SMALL_ARGS="--prompts 128" SMALL_SKIP_PROFILE= PROFILE_INFLIGHT=4
-#     LEASE_STEPS=small   (~8 min on a fast host; with the trace summaries at 4 in flight)
+#   TRACE_MAX_BYTES=4000000 SMALL_VARIANTS=plain,floor,capture,capture-chunked,capture-prebuild,capture-after,
+#     plain-sync,capture-sync SMALL_BATCH_SIZES=1,4 SMALL_REPEATS=4 SMALL_ARGS="--prompts 128" SMALL_SKIP_PROFILE=
+#     PROFILE_INFLIGHT=4 LEASE_STEPS=small   (~10 min on a fast host; trace summaries at 4 in flight). The -sync pair
+#     asks whether vLLM's one-step-ahead scheduling sets capture into alternating half batches (step_sizes).
 # Since the seventh session of 2026-12-06 the step profile (stepprof) says where the engine thread's time goes,
 # function by function: ~0.35 ms a request for the floor, ~0.73 for capture, on ~10 ms steps (RESULTS.md). Measure
 # a change to that thread with LEASE_STEPS="leantests small stepprof": its counters hold across hosts where the
