@@ -214,12 +214,12 @@ class Timeline:
 
     PHASES = ("in", "wait", "run", "out", "send", "late", "proc")
 
-    def __init__(self, engine):
+    def __init__(self, engine, late_by: bool = False):
         self.added: dict[str, float] = {}
         self.reset()
         add, step = engine.add_request, engine.step
         self.last_get: tuple[float, float] | None = None  # (driver asked, output arrived) of the last get_output
-        self._watch_output_queue(engine)
+        self._watch_output_queue(engine, late_by)
 
         def add_request(request_id, *a, **k):
             t = time.monotonic()
@@ -249,10 +249,11 @@ class Timeline:
 
         engine.add_request, engine.step = add_request, step_
 
-    def _watch_output_queue(self, engine) -> None:
+    def _watch_output_queue(self, engine, late_by: bool) -> None:
         """Stamp each engine-core output when the driver's receiving thread queues it
         (``compat.engine_output_queue``), and when ``step`` asks for it (the client's ``get_output``). An
-        in-process engine core has no queue: no split then."""
+        in-process engine core has no queue: no split then. ``late_by`` (``--stats``): the receiving thread
+        also samples what the driving thread is doing (``where``), and the wait is charged to it."""
         from layertap.engine import compat
 
         q = compat.engine_output_queue(engine)
@@ -265,7 +266,7 @@ class Timeline:
         driver = threading.get_ident()  # the thread that drives the engine (this one)
 
         def put_nowait(item):  # the receiving thread's only way into the queue (looked up on each call)
-            arrivals.append((time.monotonic(), where(sys._current_frames().get(driver))))
+            arrivals.append((time.monotonic(), where(sys._current_frames().get(driver)) if late_by else ""))
             put(item)
 
         def get_output():
@@ -273,9 +274,10 @@ class Timeline:
             outs = get()
             arrived, busy = arrivals.popleft() if arrivals else (t_call, "")
             self.last_get = (t_call, arrived)
-            # the driver was busy when an output that finishes requests arrived (the ``late`` phase's): with what
-            if t_call > arrived and any(getattr(o, "finished", False) for o in getattr(outs, "outputs", ())):
-                self.late_by[busy] += (t_call - arrived) * sum(o.finished for o in outs.outputs)
+            if late_by and t_call > arrived:  # the driver was busy when the output came: charge each finished request
+                finished = sum(bool(getattr(o, "finished", False)) for o in getattr(outs, "outputs", ()))
+                if finished:  # the requests the ``late`` phase counts
+                    self.late_by[busy] += (t_call - arrived) * finished
             return outs
 
         q.put_nowait, core.get_output = put_nowait, get_output
@@ -684,7 +686,7 @@ def measure(variants: list[str], model, data, args) -> dict[str, dict]:
         for r in runners.values():  # warm-up: every batch size's shapes once, on a slice of the data
             for b in args.batch_sizes:
                 r.rate(b, data[: max(b, min(len(data), 2 * b))])
-        timelines = {v: Timeline(r.engine()) for v, r in runners.items()}
+        timelines = {v: Timeline(r.engine(), late_by=args.stats) for v, r in runners.items()}
         out: dict[str, dict[int, list[float]]] = {v: {b: [] for b in args.batch_sizes} for v in variants}
         seen: dict[str, dict[int, list[dict]]] = {v: {b: [] for b in args.batch_sizes} for v in variants}
         pieces: dict[str, dict[int, list[list[float]]]] = {v: {b: [] for b in args.batch_sizes} for v in variants}

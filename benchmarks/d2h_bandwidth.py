@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -30,6 +31,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # layertap, run from anywhere
+
+from layertap.engine.record_proc import pieces  # noqa: E402  (how the record process splits a copy)
 
 
 def rate(dst: torch.Tensor, src: torch.Tensor, copies: int, non_blocking: bool) -> float:
@@ -65,16 +68,14 @@ HOL_REPS = 20
 def head_of_line(dst: torch.Tensor, src: torch.Tensor) -> dict[str, float]:
     """Median microseconds until an 8-byte copy on its own stream has landed: alone, and queued right after
     the big ``src -> dst`` copy on another stream; and the big copy alone."""
-    import statistics
-
     big_s, small_s = torch.cuda.Stream(), torch.cuda.Stream()
     big = (big_s, dst, src)
     tiny_host = torch.empty(8, dtype=torch.uint8, pin_memory=True)
     small = (small_s, tiny_host, torch.zeros(8, dtype=torch.uint8, device=src.device))
-    piece = 1 << 20  # the same big copy in 1 MiB pieces (the record process's offload_copy_chunk_kb=1024)
-    pieces = [(big_s, dst[i:i + piece], src[i:i + piece]) for i in range(0, src.numel(), piece)]
+    # the same big copy in 1 MiB pieces, as the record process makes them (offload_copy_chunk_kb=1024)
+    parts = [(big_s, dst[o:o + k], src[o:o + k]) for o, k in pieces(src.numel(), 1 << 20)]
     cases = {"small alone": (small_s, small), "big alone": (big_s, big), "small after big": (small_s, big, small),
-             "small after big in pieces": (small_s, *pieces, small)}
+             "small after big in pieces": (small_s, *parts, small)}
     times: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(HOL_REPS):
         for k, (wait, *copies) in cases.items():
@@ -89,7 +90,7 @@ def _copier(mb: int, piece: int, seconds: float, ready, go) -> None:
     n = mb << 20
     src = torch.zeros(n, dtype=torch.uint8, device="cuda")
     dst = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    spans = [(0, n)] if piece <= 0 else [(o, min(piece, n - o)) for o in range(0, n, piece)]
+    spans = pieces(n, piece)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         dst.copy_(src, non_blocking=True)
@@ -104,12 +105,11 @@ def _copier(mb: int, piece: int, seconds: float, ready, go) -> None:
             s.synchronize()
 
 
-def other_process(mb: int, reps: int = 200) -> dict[str, float]:
+def other_process(mb: int, reps: int = 200) -> dict[str, tuple[float, float]]:
     """Median and p90 microseconds of what a vLLM step waits for, with and without another process copying
     ``mb`` MiB records to the host back to back: an 8-byte device-to-host copy on its own stream (the
     sampled token ids), and a 4096 x 2048 x 2048 bf16 matmul (a slice of a forward step)."""
     import multiprocessing as mp
-    import statistics
 
     small_s = torch.cuda.Stream()
     tiny_host = torch.empty(8, dtype=torch.uint8, pin_memory=True)
