@@ -154,6 +154,12 @@ def prompts(args) -> list[list[int]]:
     return [[rng.randrange(10, args.vocab - 10) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
 
 
+def submit_limit(runner, inflight: int, data) -> int:
+    """How many requests ``drive`` keeps in the engine: the in-flight target, or with ``--queue`` every prompt
+    of the call at once (the engine's ``max_num_seqs``, set to the target, bounds what runs)."""
+    return len(data) if runner.queue else inflight
+
+
 def drive(engine, batch: list[list[int]], inflight: int, params_for) -> int:
     """Run every prompt with at most ``inflight`` requests in the engine; returns tokens processed."""
     from vllm import TokensPrompt
@@ -416,11 +422,12 @@ class Plain:
             self.llm = LLM(model=str(model), **engine_kwargs(args), **extra)
         sp = gen_params(args)  # with --max-tokens 1, as the Tap's prompt mode
         self.params_for = lambda i: sp
+        self.queue = args.queue
 
     def rate(self, inflight: int, data=None) -> float:
         data = self.data if data is None else data
         t0 = time.perf_counter()
-        n = drive(self.llm.llm_engine, data, inflight, self.params_for)
+        n = drive(self.llm.llm_engine, data, submit_limit(self, inflight, data), self.params_for)
         return n / (time.perf_counter() - t0)
 
     def engine(self):
@@ -443,6 +450,7 @@ class Floor(Plain):
         from layertap.engine.connector import PARAMS_KEY
 
         self.data = data
+        self.queue = args.queue
         v = compat.check_version()
         kw = {**compat.engine_defaults(v, torch.cuda.is_available(), {}, path), **engine_kwargs(args)}
         conn = {"transport": {"backend": "shm"}, "run_meta": {}, "capture_path": path, "layer_ids": list(args.layers),
@@ -504,10 +512,12 @@ class Capture:
                        **engine_kwargs(args), **extra)
         self.tap.defer_records = defer_records
         self.tap.prebuild = prebuild
+        self.queue = args.queue
 
     def rate(self, inflight: int, data=None) -> float:
         inputs = self.inputs if data is None else [{"token_ids": ids} for ids in data]
-        self.tap.max_inflight = inflight
+        # --queue: the engine's max_num_seqs bounds what runs; the Tap admits as far as its pool has room
+        self.tap.max_inflight = None if self.queue else inflight
         t0 = time.perf_counter()
         count = 0
         for rec in self.tap.capture(inputs, mode=self.mode, sampling_params=self.sp):
@@ -570,7 +580,7 @@ class CaptureRaw(Capture):
         th.start()
         t0 = time.perf_counter()
         try:
-            n = drive(self.tap.llm.llm_engine, data, inflight, self.params_for)
+            n = drive(self.tap.llm.llm_engine, data, submit_limit(self, inflight, data), self.params_for)
         finally:
             deadline = time.monotonic() + 60
             stop.set()
@@ -596,7 +606,7 @@ class CaptureAfter(CaptureRaw):
             raise SystemExit(f"capture-after: the pool holds {room} records, a call needs {len(data) + inflight}; "
                              "pass --chunk (or --shm-slots)")
         t0 = time.perf_counter()
-        n = drive(self.tap.llm.llm_engine, data, inflight, self.params_for)
+        n = drive(self.tap.llm.llm_engine, data, submit_limit(self, inflight, data), self.params_for)
         dt = time.perf_counter() - t0
         got, deadline = 0, time.monotonic() + 60
         while got < len(data) and time.monotonic() < deadline:
@@ -798,6 +808,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size of every vLLM engine")
+    ap.add_argument("--queue", action="store_true",
+                    help="in flight = the engine's max_num_seqs, as vLLM users set it: each batch size gets engines "
+                         "of its own, every prompt of a call is submitted at once (plain, floor; the Tap admits as "
+                         "far as its pool has room), so finished requests are replaced from the engine's own queue. "
+                         "Default: one engine per variant, the driver keeps the in-flight target in it (a finished "
+                         "request's successor is added after its output reaches the driver)")
     ap.add_argument("--variants", type=lambda s: s.split(","), default=["plain", "capture"],
                     help=f"comma-separated, from {list(VARIANTS)}; must include plain and capture")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF second pass")
@@ -856,27 +872,33 @@ def main() -> None:
     timeline: dict[str, dict[int, list[dict]]] = {}
     pieces: dict[str, dict[int, list[list[float]]]] = {}
     profiles: dict[str, dict] = {}
+    # --queue: engines of their own for each batch size (max_num_seqs is fixed at an engine's start)
+    sizes = [[b] for b in args.batch_sizes] if args.queue else [None]
     for group in groups:
-        print(f"--- {', '.join(group)}", flush=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "result.json"
-            rc = subprocess.call([sys.executable, __file__, *sys.argv[1:], "--child", f"{','.join(group)}:{out}"])
-            if rc != 0 or not out.exists():
-                raise SystemExit(f"variants {group} failed (exit {rc})")
-            got = json.loads(out.read_text())
-            for v, by_b in got["rates"].items():
-                res[v] = {int(b): rates for b, rates in by_b.items()}
-            for v, by_b in got.get("pieces", {}).items():
-                pieces[v] = {int(b): p for b, p in by_b.items()}
-            for v, by_b in got["timeline"].items():
-                timeline[v] = {int(b): tls for b, tls in by_b.items()}
-            profiles.update(got.get("profiles", {}))
+        for only in sizes:
+            print(f"--- {', '.join(group)}" + (f" (max_num_seqs {only[0]})" if only else ""), flush=True)
+            extra = ["--batch-sizes", str(only[0])] if only else []
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "result.json"
+                rc = subprocess.call([sys.executable, __file__, *sys.argv[1:], *extra,
+                                      "--child", f"{','.join(group)}:{out}"])
+                if rc != 0 or not out.exists():
+                    raise SystemExit(f"variants {group} failed (exit {rc})")
+                got = json.loads(out.read_text())
+                for v, by_b in got["rates"].items():
+                    res.setdefault(v, {}).update({int(b): rates for b, rates in by_b.items()})
+                for v, by_b in got.get("pieces", {}).items():
+                    pieces.setdefault(v, {}).update({int(b): p for b, p in by_b.items()})
+                for v, by_b in got["timeline"].items():
+                    timeline.setdefault(v, {}).update({int(b): tls for b, tls in by_b.items()})
+                profiles.update(got.get("profiles", {}))
     hf = bench_hf(model, data, args) if not args.no_hf else float("nan")
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"\ncapture overhead on {dev}: {args.prompts} x {args.prompt_len}-token prefill, hidden {args.hidden}, "
           f"{n} layers, {args.dtype}, {'eager' if args.eager else 'compiled'}, layers {args.layers}, "
           f"transport {args.transport}, tensor parallel {args.tp}; {args.repeats} rounds, "
-          f"{'separate processes, one variant after another' if args.separate else 'paired (engines side by side, interleaved)'}")
+          + ("in flight = max_num_seqs, every prompt of a call submitted at once (--queue); " if args.queue else "")
+          + f"{'separate processes, one variant after another' if args.separate else 'paired (engines side by side, interleaved)'}")
     print("tokens/s: median over rounds; ratio: median over rounds of (variant / plain) "
           + ("in the same round" if not args.separate else "of the round with the same number") + ", [min-max]")
     rows = []

@@ -160,6 +160,13 @@ pinned() {  # the small model with the driver and every engine on one NUMA node'
 SMALL_BATCH_SIZES=${PIN_BATCH_SIZES:-1,4,16} small_bench pinned "--cpus ${PIN_CPUS:-node:0}"
 el "small prefill, pinned"
 }
+queue() {  # the small model with in flight = the engine's max_num_seqs (capture_overhead.py --queue): every prompt of a
+  # call submitted at once, as LLM.generate and the Tap (no max_inflight) do, so finished requests are replaced from
+  # the engine's own queue, not after a round trip through the driver; engines of their own for each size
+SMALL_BATCH_SIZES=${QUEUE_BATCH_SIZES:-1,4,16} SMALL_VARIANTS=${QUEUE_VARIANTS:-plain,floor,capture} \
+  SMALL_REPEATS=${QUEUE_REPEATS:-4} SMALL_SKIP_PROFILE=1 small_bench queue "--queue ${QUEUE_ARGS:---prompts 128}"
+el "small prefill, engine-bound (--queue)"
+}
 small() {  # SMALL_ARGS: more flags (e.g. --prompts 128 for a short lease)
 small_bench small "${SMALL_ARGS:-}"
 el "small prefill"
