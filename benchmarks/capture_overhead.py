@@ -513,11 +513,13 @@ class Capture:
         self.tap.defer_records = defer_records
         self.tap.prebuild = prebuild
         self.queue = args.queue
+        # Default: at most the in-flight target in the engine, as drive() keeps plain's. --queue: the Tap's own
+        # way, the target running (the engine's max_num_seqs) and as many more waiting in the engine's queue
+        self.tap.lookahead = args.queue
 
     def rate(self, inflight: int, data=None) -> float:
         inputs = self.inputs if data is None else [{"token_ids": ids} for ids in data]
-        # --queue: the engine's max_num_seqs bounds what runs; the Tap admits as far as its pool has room
-        self.tap.max_inflight = None if self.queue else inflight
+        self.tap.max_inflight = inflight
         t0 = time.perf_counter()
         count = 0
         for rec in self.tap.capture(inputs, mode=self.mode, sampling_params=self.sp):
@@ -811,7 +813,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--queue", action="store_true",
                     help="in flight = the engine's max_num_seqs, as vLLM users set it: each batch size gets engines "
                          "of its own, every prompt of a call is submitted at once (plain, floor; the Tap admits as "
-                         "far as its pool has room), so finished requests are replaced from the engine's own queue. "
+                         "far as max_inflight's lookahead and its pool allow), so finished requests are replaced from the engine's own queue. "
                          "Default: one engine per variant, the driver keeps the in-flight target in it (a finished "
                          "request's successor is added after its output reaches the driver)")
     ap.add_argument("--variants", type=lambda s: s.split(","), default=["plain", "capture"],

@@ -84,6 +84,15 @@ def _engine_died(expect: dict, by_req: dict, queue: list) -> MissingRecords:
                           f"{lost[:20]}{' ...' if len(lost) > 20 else ''}")
 
 
+def engine_seqs_from_inflight(engine_kwargs: dict[str, Any], max_inflight: int | None) -> dict[str, Any]:
+    """The engine's kwargs with ``max_num_seqs`` set to ``max_inflight`` where the caller gave that and not
+    ``max_num_seqs``: the engine then runs at most ``max_inflight`` requests itself, and the Tap can keep their
+    successors waiting in its queue (``Tap.lookahead``)."""
+    if max_inflight is None or "max_num_seqs" in engine_kwargs:
+        return engine_kwargs
+    return {**engine_kwargs, "max_num_seqs": int(max_inflight)}
+
+
 class Tap:
     """A vLLM ``LLM`` with capture of the given layer ids; see the module docstring."""
 
@@ -114,6 +123,15 @@ class Tap:
         self.stall_timeout = 10.0
         """Seconds the transport may stay full with nothing in flight before ``TransportFull`` is raised."""
         self.max_inflight = max_inflight
+        """At most this many requests run in the engine at once. The engine starts with ``max_num_seqs`` set to
+        it (unless given), and the Tap keeps as many again waiting in the engine's queue (``lookahead``)."""
+        self.lookahead = True
+        """Where the engine's ``max_num_seqs`` is at most ``max_inflight``, admit up to ``max_inflight`` more
+        requests than that: they wait in the engine's own queue, so the engine replaces a finished request
+        without waiting for its output to reach this process and the next admission to come back. False: at most
+        ``max_inflight`` requests are in the engine (running or waiting), as before 2026-12-07 (a benchmark aid
+        for ``capture_overhead.py``, whose plain engine is driven the same way)."""
+        self._engine_seqs: int | None = None
         self.defer_records = True
         """While the engine's next output already waits, take it before proving more records (at least one a
         round). False (a benchmark aid, ``capture_overhead.py`` capture-eager): every committed record first."""
@@ -163,7 +181,8 @@ class Tap:
             self.source = self.transport_cls.make_source(self.transport_cfg)
         else:
             self.source = self.transport_cls.make_source(self.transport_cfg, copy=not zero_copy)
-        self.llm = self._start_engine(engine_kwargs, on_cuda)
+        self.llm = self._start_engine(engine_seqs_from_inflight(engine_kwargs, self.max_inflight), on_cuda)
+        self._engine_seqs = compat.max_num_seqs(self.llm)
         self._output_waiting = compat.output_waiting_check(self.llm)  # for defer_records (None: not here)
         self._watch = compat.watch_engine_death(self.llm)
         llm = self.llm
@@ -290,12 +309,22 @@ class Tap:
     # while the rest are checked and admitted as those run
     HEAD_INPUTS = 16
 
+    def _admit_bound(self) -> int | None:
+        """The most requests this Tap keeps in the engine, running or waiting there (None: no bound but the
+        transport's). ``max_inflight``, plus as many more where the engine itself runs at most that many
+        (``lookahead``)."""
+        n = self.max_inflight
+        if n is not None and self.lookahead and self._engine_seqs is not None and self._engine_seqs <= n:
+            return 2 * n
+        return n
+
     def _can_admit(self, running: int, pending_records: int, free: Any = _UNREAD) -> bool:
-        """Engine bound: ``max_inflight`` requests running. Transport bound: every running request and every
-        record not yet consumed must fit the transport's free capacity, so the worker never blocks on a
-        full pool because of us (the producer slows by admitting fewer requests, nothing is dropped).
+        """Engine bound: ``_admit_bound()`` requests in the engine. Transport bound: every request in the engine
+        and every record not yet consumed must fit the transport's free capacity, so the worker never blocks on
+        a full pool because of us (the producer slows by admitting fewer requests, nothing is dropped).
         ``free``: the capacity as read at the start of this admission round (default: read it now)."""
-        if self.max_inflight is not None and running >= self.max_inflight:
+        bound = self._admit_bound()
+        if bound is not None and running >= bound:
             return False
         if free is Tap._UNREAD:
             free = self.source.free_capacity()
@@ -358,7 +387,8 @@ class Tap:
 
         def admit(finishing: int = 0) -> int:
             n = 0
-            if not (ready or queue) or (self.max_inflight is not None and running >= self.max_inflight):
+            bound = self._admit_bound()
+            if not (ready or queue) or (bound is not None and running >= bound):
                 return 0
             free = self.source.free_capacity()  # read once per round: a scan of the pool's slot table
             while (ready or queue) and self._can_admit(running + n, len(expect) + finishing, free):

@@ -197,6 +197,12 @@ def async_scheduling(llm: Any) -> bool:
     return bool(getattr(llm.llm_engine.vllm_config.scheduler_config, "async_scheduling", False))
 
 
+def max_num_seqs(llm: Any) -> int | None:
+    """The most requests this engine's scheduler runs at once (``max_num_seqs``, resolved at start-up)."""
+    n = getattr(llm.llm_engine.vllm_config.scheduler_config, "max_num_seqs", None)
+    return int(n) if n else None
+
+
 def engine_core_in_process(llm: Any) -> bool:
     """Whether the engine core runs in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM's
     ``InprocClient``). Such a core steps only when ``LLMEngine.step()`` is called; a core in its own

@@ -219,6 +219,44 @@ def test_records_of_running_requests_stay_in_the_pool_until_their_requests_finis
     assert_all_match(recs, model)
 
 
+def test_successors_wait_in_the_engine_where_it_runs_at_most_max_inflight(tap, model):
+    """Where the engine's max_num_seqs is at most ``max_inflight``, the Tap keeps as many again waiting in the
+    engine's queue (``Tap.lookahead``): the engine replaces a finished request itself, with no round trip
+    through the driver. The engine's bound is read from the running engine (80 here); it is stood in for by 2,
+    so that the Tap's count of requests in the engine must reach 4. With lookahead off it never passes 2."""
+    assert tap._engine_seqs == 80, "the Tap did not read the engine's max_num_seqs"
+    engine = tap.llm.llm_engine
+    real_add, real_step = engine.add_request, tap.step
+    inputs = random_prompts(12, [20, 90], seed=31)
+    peaks = {}
+    for lookahead in (True, False):
+        in_engine, peak = 0, 0
+
+        def add(*a, **k):
+            nonlocal in_engine, peak
+            in_engine += 1
+            peak = max(peak, in_engine)
+            return real_add(*a, **k)
+
+        def step():
+            nonlocal in_engine
+            outs = real_step()
+            in_engine -= sum(o.finished for o in outs)
+            return outs
+
+        engine.add_request, tap.step = add, step
+        tap.max_inflight, tap._engine_seqs, tap.lookahead = 2, 2, lookahead
+        try:
+            recs = list(tap.capture(inputs))
+        finally:
+            del engine.add_request, tap.step
+            tap.max_inflight, tap._engine_seqs, tap.lookahead = None, 80, True
+        assert sorted(r.index for r in recs) == list(range(12))
+        assert_all_match(recs, model)
+        peaks[lookahead] = peak
+    assert peaks == {True: 4, False: 2}, peaks
+
+
 def test_prefix_caching_hits_are_captured_right(tap, model):
     prefixes = random_prompts(3, [260], seed=2)
     suffixes = random_prompts(30, [5, 40, 90], seed=3)

@@ -77,3 +77,11 @@ def test_without_an_engine_digest_the_record_is_proven_against_the_tokens_submit
     _prove(_record(ids), InputItem(index=3, token_ids=ids), ids, None)
     with pytest.raises(CaptureError, match="record run:3: token ids differ from input 3"):
         _prove(_record([5, 6, 7, 9]), InputItem(index=3, token_ids=ids), ids, None)
+
+
+def test_max_inflight_becomes_the_engines_max_num_seqs_unless_given():
+    from layertap.tap import engine_seqs_from_inflight
+
+    assert engine_seqs_from_inflight({"dtype": "float32"}, 3) == {"dtype": "float32", "max_num_seqs": 3}
+    assert engine_seqs_from_inflight({"max_num_seqs": 64}, 3) == {"max_num_seqs": 64}  # the caller's own wins
+    assert engine_seqs_from_inflight({"dtype": "float32"}, None) == {"dtype": "float32"}
