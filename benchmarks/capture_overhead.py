@@ -21,6 +21,10 @@ out), within the noise on 2026-12-06 (RESULTS, sixth session);
                        The same work as plain, so plain-spawn / plain is an A/A control: how far two engines
                        drift apart on the host with no change of work (H100, 2026-12-05: 0.89-1.23 across
                        rounds at 1-4 in flight; spawning itself cost nothing: medians 1.04-1.16)
+    plain-ahead        with --queue only: plain with twice the in-flight target in the engine (the target running,
+                       as many waiting), as the Tap keeps it (``Tap.lookahead``), where plain submits every prompt
+                       of a call at once (H100, 2026-12-07: plain at max_num_seqs 4 with 32 prompts queued ran
+                       0.77-1.32 of capture's pace, so the queue's depth itself may move vLLM's pace)
     plain-sync         plain with vLLM's synchronous scheduling (async_scheduling=False); see capture-sync
     floor              the hook capture engine + the layertap connector, reading no rows (the cost of the
                        model writing its rows into the capture layer)
@@ -156,8 +160,11 @@ def prompts(args) -> list[list[int]]:
 
 def submit_limit(runner, inflight: int, data) -> int:
     """How many requests ``drive`` keeps in the engine: the in-flight target, or with ``--queue`` every prompt
-    of the call at once (the engine's ``max_num_seqs``, set to the target, bounds what runs)."""
-    return len(data) if runner.queue else inflight
+    of the call at once (the engine's ``max_num_seqs``, set to the target, bounds what runs), or for
+    ``plain-ahead`` twice the target (the Tap's ``lookahead``)."""
+    if not runner.queue:
+        return inflight
+    return min(len(data), 2 * inflight) if getattr(runner, "ahead", False) else len(data)
 
 
 def drive(engine, batch: list[list[int]], inflight: int, params_for) -> int:
@@ -407,7 +414,7 @@ def gen_params(args):
 class Plain:
     """vLLM as users run it, driven request by request through ``LLMEngine``."""
 
-    def __init__(self, model, data, args, spawn: bool = False, **extra):
+    def __init__(self, model, data, args, spawn: bool = False, ahead: bool = False, **extra):
         import contextlib
 
         from vllm import LLM
@@ -423,6 +430,10 @@ class Plain:
         sp = gen_params(args)  # with --max-tokens 1, as the Tap's prompt mode
         self.params_for = lambda i: sp
         self.queue = args.queue
+        self.ahead = ahead
+        if ahead and not args.queue:
+            raise SystemExit("plain-ahead needs --queue (without it every engine's max_num_seqs is the largest "
+                             "batch size, and a second target's worth of requests would run, not wait)")
 
     def rate(self, inflight: int, data=None) -> float:
         data = self.data if data is None else data
@@ -635,6 +646,7 @@ def profiler_kwargs(args, variant: str) -> dict:
 VARIANTS = {
     "plain": lambda m, d, a: Plain(m, d, a, **profiler_kwargs(a, "plain")),
     "plain-spawn": lambda m, d, a: Plain(m, d, a, spawn=True, **profiler_kwargs(a, "plain-spawn")),
+    "plain-ahead": lambda m, d, a: Plain(m, d, a, ahead=True, **profiler_kwargs(a, "plain-ahead")),
     "plain-sync": lambda m, d, a: Plain(m, d, a, async_scheduling=False, **profiler_kwargs(a, "plain-sync")),
     "floor": lambda m, d, a: Floor(m, d, a, **profiler_kwargs(a, "floor")),
     "floor-gather": lambda m, d, a: Floor(m, d, a, gather=True, **profiler_kwargs(a, "floor-gather")),
