@@ -46,6 +46,15 @@
 #     plain-sync,capture-sync SMALL_BATCH_SIZES=1,4 SMALL_REPEATS=4 SMALL_ARGS="--prompts 128" SMALL_SKIP_PROFILE=
 #     PROFILE_INFLIGHT=4 LEASE_STEPS=small   (~10 min on a fast host; trace summaries at 4 in flight). The -sync pair
 #     asks whether vLLM's one-step-ahead scheduling sets capture into alternating half batches (step_sizes).
+# Thirteenth session (2026-12-07): the Tap now keeps successors waiting in the engine (Tap(max_inflight=N) starts the
+# engine at max_num_seqs N and admits up to 2N: Tap.lookahead), so the driver's round trip is off the engine's path.
+# Step `queue` measures that regime (capture_overhead.py --queue: in flight = max_num_seqs). One short H100 lease
+# (plain, capture at 4, three rounds): records complete; capture's `late` 0.04 ms (driver-bounded: 0.3-0.9); ratio
+# 1.19 with rounds 0.77-1.32, moved by each engine's own pace. Next lease (~8-10 min), in this order:
+#   LEASE_STEPS="queue small" QUEUE_VARIANTS=plain,plain-ahead,capture QUEUE_BATCH_SIZES=1,4,16 QUEUE_REPEATS=6
+#     SMALL_VARIANTS=plain,capture SMALL_BATCH_SIZES=1,4 SMALL_REPEATS=4 SMALL_ARGS="--prompts 128"
+#   (plain-ahead: plain with the Tap's depth, 2 x the target in the engine; `small`: the driver-bounded regime on the
+#   same host, for the two side by side). Only the PRE models step is needed (d2h is optional).
 # Since the seventh session of 2026-12-06 the step profile (stepprof) says where the engine thread's time goes,
 # function by function: ~0.35 ms a request for the floor, ~0.73 for capture, on ~10 ms steps (RESULTS.md). Measure
 # a change to that thread with LEASE_STEPS="leantests small stepprof": its counters hold across hosts where the
