@@ -165,3 +165,16 @@ def test_late_is_split_by_what_the_driving_thread_was_doing():
     time.sleep(0.01)
     eng2.engine_core.get_output()
     assert not quiet.late_by and quiet.last_get is not None and quiet.last_get[0] > quiet.last_get[1]
+
+
+def test_how_many_requests_each_regime_keeps_in_the_engine():
+    """Driver-bounded (default): the in-flight target. --queue: every prompt of the call (plain, floor), or
+    twice the target for plain-ahead (the Tap's lookahead), never more than the call has."""
+    from types import SimpleNamespace
+
+    data = [[1, 2]] * 10
+    assert co.submit_limit(SimpleNamespace(queue=False), 4, data) == 4
+    assert co.submit_limit(SimpleNamespace(queue=False, ahead=True), 4, data) == 4
+    assert co.submit_limit(SimpleNamespace(queue=True), 4, data) == 10
+    assert co.submit_limit(SimpleNamespace(queue=True, ahead=True), 4, data) == 8
+    assert co.submit_limit(SimpleNamespace(queue=True, ahead=True), 8, data) == 10
