@@ -23,8 +23,9 @@ out), within the noise on 2026-12-06 (RESULTS, sixth session);
                        rounds at 1-4 in flight; spawning itself cost nothing: medians 1.04-1.16)
     plain-ahead        with --queue only: plain with twice the in-flight target in the engine (the target running,
                        as many waiting), as the Tap keeps it (``Tap.lookahead``), where plain submits every prompt
-                       of a call at once (H100, 2026-12-07: plain at max_num_seqs 4 with 32 prompts queued ran
-                       0.77-1.32 of capture's pace, so the queue's depth itself may move vLLM's pace)
+                       of a call at once (H100, 2026-12-07, max_num_seqs 4: capture, 8 requests in the engine, ran
+                       0.77-1.32 of plain's pace with 32 queued; whether the queue's depth moves vLLM's pace is
+                       what plain-ahead / plain says)
     plain-sync         plain with vLLM's synchronous scheduling (async_scheduling=False); see capture-sync
     floor              the hook capture engine + the layertap connector, reading no rows (the cost of the
                        model writing its rows into the capture layer)
@@ -825,7 +826,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--queue", action="store_true",
                     help="in flight = the engine's max_num_seqs, as vLLM users set it: each batch size gets engines "
                          "of its own, every prompt of a call is submitted at once (plain, floor; the Tap admits as "
-                         "far as max_inflight's lookahead and its pool allow), so finished requests are replaced from the engine's own queue. "
+                         "far as max_inflight's lookahead and its pool allow), so finished requests are replaced "
+                         "from the engine's own queue. "
                          "Default: one engine per variant, the driver keeps the in-flight target in it (a finished "
                          "request's successor is added after its output reaches the driver)")
     ap.add_argument("--variants", type=lambda s: s.split(","), default=["plain", "capture"],
