@@ -26,6 +26,11 @@ out), within the noise on 2026-12-06 (RESULTS, sixth session);
                        of a call at once (H100, 2026-12-07, max_num_seqs 4: capture, 8 requests in the engine, ran
                        0.77-1.32 of plain's pace with 32 queued; whether the queue's depth moves vLLM's pace is
                        what plain-ahead / plain says)
+    plain-wide         with --queue only: plain in an engine of --wide-seqs seats, the driver keeping the in-flight
+                       target in it (the regime without --queue, at the same sizes): plain / plain-wide says
+                       whether an engine whose max_num_seqs is the target, with the rest of the call queued, runs
+                       faster or slower than a wide one the driver feeds (H100, 2026-12-07: plain queued at
+                       max_num_seqs 1 ran 66k tok/s, driver-fed at max_num_seqs 4 84k, in two steps of one lease)
     plain-sync         plain with vLLM's synchronous scheduling (async_scheduling=False); see capture-sync
     floor              the hook capture engine + the layertap connector, reading no rows (the cost of the
                        model writing its rows into the capture layer)
@@ -59,6 +64,8 @@ out), within the noise on 2026-12-06 (RESULTS, sixth session);
     capture-after      capture-raw with no record work in the driving process while the clock runs: records wait in
                        the pool until the call's requests finished (needs --chunk). Beside floor, the engine's
                        record path alone; capture / capture-after, the driving process's record work
+    capture-wide       with --queue only: capture where the engine has --wide-seqs seats, as a caller who gives
+                       max_num_seqs gets it: the Tap keeps max_inflight in the engine, none waiting (no lookahead)
     capture-sync       capture with vLLM's synchronous scheduling (async_scheduling=False): beside plain-sync
                        (plain, the same), whether the engine's one-step-ahead scheduling is what sets capture's
                        requests into alternating half batches at 1-4 in flight (trace summaries: step_sizes)
@@ -377,8 +384,10 @@ def chunks_of(data: list, inflight: int, chunk: int | None) -> list[list]:
     return parts
 
 
-def engine_kwargs(args) -> dict:
-    kw = dict(dtype=args.dtype, max_model_len=args.prompt_len + args.max_tokens + 8, max_num_seqs=max(args.batch_sizes),
+def engine_kwargs(args, wide: bool = False) -> dict:
+    """The engine's arguments, the same for every variant; ``wide``: ``--wide-seqs`` seats (the -wide variants)."""
+    seqs = args.wide_seqs if wide else max(args.batch_sizes)
+    kw = dict(dtype=args.dtype, max_model_len=args.prompt_len + args.max_tokens + 8, max_num_seqs=seqs,
               max_num_batched_tokens=max(args.max_num_batched_tokens, args.prompt_len),
               enable_prefix_caching=False, enforce_eager=args.eager)
     if getattr(args, "stats", False):
@@ -415,26 +424,26 @@ def gen_params(args):
 class Plain:
     """vLLM as users run it, driven request by request through ``LLMEngine``."""
 
-    def __init__(self, model, data, args, spawn: bool = False, ahead: bool = False, **extra):
+    def __init__(self, model, data, args, spawn: bool = False, ahead: bool = False, wide: bool = False, **extra):
         import contextlib
 
         from vllm import LLM
 
         from layertap.engine import launch
 
+        if (ahead or wide) and not args.queue:
+            raise SystemExit("plain-ahead and the -wide variants need --queue (without it every engine's max_num_seqs "
+                             "is the largest batch size and the driver keeps the target: plain and capture are that)")
         self.data = data
         # spawn (variant plain-spawn): the engine core spawned, as capture engines are (launch.engine_env);
         # plain vLLM forks it from this process, which has not touched CUDA
         env = launch.engine_env_set({launch.MP_METHOD_ENV: "spawn"}) if spawn else contextlib.nullcontext()
         with env:
-            self.llm = LLM(model=str(model), **engine_kwargs(args), **extra)
+            self.llm = LLM(model=str(model), **engine_kwargs(args, wide=wide), **extra)
         sp = gen_params(args)  # with --max-tokens 1, as the Tap's prompt mode
         self.params_for = lambda i: sp
-        self.queue = args.queue
+        self.queue = args.queue and not wide  # wide: the driver keeps the target in an engine of more seats
         self.ahead = ahead
-        if ahead and not args.queue:
-            raise SystemExit("plain-ahead needs --queue (without it every engine's max_num_seqs is the largest "
-                             "batch size, and a second target's worth of requests would run, not wait)")
 
     def rate(self, inflight: int, data=None) -> float:
         data = self.data if data is None else data
@@ -509,9 +518,12 @@ def shm_slots(args) -> int:
 class Capture:
     """layertap capture through the Tap: every record is counted and its token digest proven."""
 
-    def __init__(self, model, data, args, defer_records: bool = True, prebuild: bool = False, **extra):
+    def __init__(self, model, data, args, defer_records: bool = True, prebuild: bool = False, wide: bool = False,
+                 **extra):
         from layertap.tap import Tap
 
+        if wide and not args.queue:
+            raise SystemExit("capture-wide needs --queue (without it, capture is the driver-bounded regime)")
         self.inputs = [{"token_ids": ids} for ids in data]
         self.prompt_len = args.prompt_len
         # --max-tokens > 1: generate mode, each record holds the prompt's rows and every generated token's
@@ -521,13 +533,14 @@ class Capture:
                        transport_config={"slot_bytes": shm_slot_bytes(args), "num_slots": shm_slots(args),
                                          "checksum": args.checksum} if args.transport == "shm" else None,
                        out=args.out if args.transport == "file" else None, zero_copy=args.transport == "shm",
-                       **engine_kwargs(args), **extra)
+                       **engine_kwargs(args, wide=wide), **extra)
         self.tap.defer_records = defer_records
         self.tap.prebuild = prebuild
-        self.queue = args.queue
+        self.queue = args.queue and not wide
         # Default: at most the in-flight target in the engine, as drive() keeps plain's. --queue: the Tap's own
-        # way, the target running (the engine's max_num_seqs) and as many more waiting in the engine's queue
-        self.tap.lookahead = args.queue
+        # way, the target running (the engine's max_num_seqs) and as many more waiting in the engine's queue;
+        # capture-wide: the Tap as it runs where the caller gives the engine more seats than max_inflight
+        self.tap.lookahead = self.queue
 
     def rate(self, inflight: int, data=None) -> float:
         inputs = self.inputs if data is None else [{"token_ids": ids} for ids in data]
@@ -648,6 +661,7 @@ VARIANTS = {
     "plain": lambda m, d, a: Plain(m, d, a, **profiler_kwargs(a, "plain")),
     "plain-spawn": lambda m, d, a: Plain(m, d, a, spawn=True, **profiler_kwargs(a, "plain-spawn")),
     "plain-ahead": lambda m, d, a: Plain(m, d, a, ahead=True, **profiler_kwargs(a, "plain-ahead")),
+    "plain-wide": lambda m, d, a: Plain(m, d, a, wide=True, **profiler_kwargs(a, "plain-wide")),
     "plain-sync": lambda m, d, a: Plain(m, d, a, async_scheduling=False, **profiler_kwargs(a, "plain-sync")),
     "floor": lambda m, d, a: Floor(m, d, a, **profiler_kwargs(a, "floor")),
     "floor-gather": lambda m, d, a: Floor(m, d, a, gather=True, **profiler_kwargs(a, "floor-gather")),
@@ -666,6 +680,7 @@ VARIANTS = {
     "capture-after": lambda m, d, a: CaptureAfter(m, d, a, **profiler_kwargs(a, "capture-after")),
     "capture-eager": lambda m, d, a: Capture(m, d, a, defer_records=False, **profiler_kwargs(a, "capture-eager")),
     "capture-prebuild": lambda m, d, a: Capture(m, d, a, prebuild=True, **profiler_kwargs(a, "capture-prebuild")),
+    "capture-wide": lambda m, d, a: Capture(m, d, a, wide=True, **profiler_kwargs(a, "capture-wide")),
     "capture-sync": lambda m, d, a: Capture(m, d, a, async_scheduling=False, **profiler_kwargs(a, "capture-sync")),
     "floor-extract": lambda m, d, a: Floor(m, d, a, path="extract", **profiler_kwargs(a, "floor-extract")),
     "capture-extract": lambda m, d, a: Capture(m, d, a, capture_path="extract", **profiler_kwargs(a, "capture-extract")),
@@ -830,6 +845,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "from the engine's own queue. "
                          "Default: one engine per variant, the driver keeps the in-flight target in it (a finished "
                          "request's successor is added after its output reaches the driver)")
+    ap.add_argument("--wide-seqs", type=int, default=64,
+                    help="max_num_seqs of the -wide variants' engines (--queue), fed the in-flight target by the "
+                         "driver (default 64; vLLM's own default for LLM on an 80 GB GPU is 1024)")
     ap.add_argument("--variants", type=lambda s: s.split(","), default=["plain", "capture"],
                     help=f"comma-separated, from {list(VARIANTS)}; must include plain and capture")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF second pass")

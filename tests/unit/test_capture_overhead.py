@@ -178,3 +178,16 @@ def test_how_many_requests_each_regime_keeps_in_the_engine():
     assert co.submit_limit(SimpleNamespace(queue=True), 4, data) == 10
     assert co.submit_limit(SimpleNamespace(queue=True, ahead=True), 4, data) == 8
     assert co.submit_limit(SimpleNamespace(queue=True, ahead=True), 8, data) == 10
+
+
+def test_wide_variants_get_more_seats_than_the_target_and_need_queue():
+    """--queue: plain and capture run in engines whose max_num_seqs is the target; the -wide variants in engines
+    of --wide-seqs seats, which the driver feeds the target (the regime without --queue). Without --queue they
+    would be plain and capture again, so they are refused by name."""
+    args = co.parse_args(["--queue", "--batch-sizes", "4", "--wide-seqs", "48", "--variants", "plain,plain-wide"])
+    assert co.engine_kwargs(args)["max_num_seqs"] == 4
+    assert co.engine_kwargs(args, wide=True)["max_num_seqs"] == 48
+    plain = co.parse_args(["--batch-sizes", "4", "--variants", "plain"])
+    for variant in ("plain-wide", "capture-wide"):
+        with pytest.raises(SystemExit, match="need.* --queue"):
+            co.VARIANTS[variant]("/nonexistent-model", [[1, 2]], plain)
