@@ -84,15 +84,6 @@ def _engine_died(expect: dict, by_req: dict, queue: list) -> MissingRecords:
                           f"{lost[:20]}{' ...' if len(lost) > 20 else ''}")
 
 
-def engine_seqs_from_inflight(engine_kwargs: dict[str, Any], max_inflight: int | None) -> dict[str, Any]:
-    """The engine's kwargs with ``max_num_seqs`` set to ``max_inflight`` where the caller gave that and not
-    ``max_num_seqs``: the engine then runs at most ``max_inflight`` requests itself, and the Tap can keep their
-    successors waiting in its queue (``Tap.lookahead``)."""
-    if max_inflight is None or "max_num_seqs" in engine_kwargs:
-        return engine_kwargs
-    return {**engine_kwargs, "max_num_seqs": int(max_inflight)}
-
-
 class Tap:
     """A vLLM ``LLM`` with capture of the given layer ids; see the module docstring."""
 
@@ -123,14 +114,17 @@ class Tap:
         self.stall_timeout = 10.0
         """Seconds the transport may stay full with nothing in flight before ``TransportFull`` is raised."""
         self.max_inflight = max_inflight
-        """At most this many requests run in the engine at once. The engine starts with ``max_num_seqs`` set to
-        it (unless given), and the Tap keeps as many again waiting in the engine's queue (``lookahead``)."""
+        """At most this many requests run in the engine at once; the Tap keeps that many in it. The engine's own
+        ``max_num_seqs`` is the caller's (vLLM's default unless given). For a few hours on 2026-12-07 the Tap set
+        it to ``max_inflight``; on an H100, engines run that way (successors queued in them) were slower at 1-4
+        in flight than engines of more seats fed by this process (benchmarks/RESULTS.md, fourteenth session).
+        Where the caller gives ``max_num_seqs`` at most ``max_inflight``, see ``lookahead``."""
         self.lookahead = True
         """Where the engine's ``max_num_seqs`` is at most ``max_inflight``, admit up to ``max_inflight`` more
         requests than that: they wait in the engine's own queue, so the engine replaces a finished request
         without waiting for its output to reach this process and the next admission to come back. False: at most
-        ``max_inflight`` requests are in the engine (running or waiting), as before 2026-12-07 (a benchmark aid
-        for ``capture_overhead.py``, whose plain engine is driven the same way)."""
+        ``max_inflight`` requests are in the engine (running or waiting), as where the engine has more seats
+        (a benchmark aid for ``capture_overhead.py``, whose plain engine is driven the same way)."""
         self._engine_seqs: int | None = None
         self.defer_records = True
         """While the engine's next output already waits, take it before proving more records (at least one a
@@ -181,7 +175,7 @@ class Tap:
             self.source = self.transport_cls.make_source(self.transport_cfg)
         else:
             self.source = self.transport_cls.make_source(self.transport_cfg, copy=not zero_copy)
-        self.llm = self._start_engine(engine_seqs_from_inflight(engine_kwargs, self.max_inflight), on_cuda)
+        self.llm = self._start_engine(engine_kwargs, on_cuda)
         self._engine_seqs = compat.max_num_seqs(self.llm)
         self._output_waiting = compat.output_waiting_check(self.llm)  # for defer_records (None: not here)
         self._watch = compat.watch_engine_death(self.llm)

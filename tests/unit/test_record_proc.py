@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -91,15 +93,32 @@ def test_records_carry_their_rows_ids_and_manifest(pool):
 
 
 def test_the_ring_wraps_and_the_step_waits_for_room(pool):
+    """A group of one page's rows and one more takes 2 of the ring's 4 pages. With the record process stopped (SIGSTOP), two groups
+    fill the ring and the third must wait until it runs again and frees their pages; then the ring wraps for
+    nine more groups. (Left to the scheduler, whether the step ever waits depends on which process runs first:
+    on a busy machine the record process kept up and this test saw no wait.)"""
     tcfg, src = pool
-    rp = start(tcfg, ring_bytes=4 * ALIGN)  # a group of 7 rows takes 2 of the 4 pages: every other one waits
+    rp = start(tcfg, ring_bytes=4 * ALIGN)
+    rows = ALIGN // ROW_BYTES + 1
+    resume = threading.Timer(0.3, os.kill, (rp.proc.pid, signal.SIGCONT))
     try:
         rng = np.random.default_rng(1)
         want = {}
-        for step in range(12):  # nothing is taken off the pool meanwhile: 12 records fit its 32 slots
-            want.update(group(rp, rng, step, [7]))
+        os.kill(rp.proc.pid, signal.SIGSTOP)
+        try:
+            for step in range(2):
+                want.update(group(rp, rng, step, [rows]))
+            assert rp.waits == 0, "two groups should fit the ring's four pages"
+            resume.start()
+            t0 = time.monotonic()
+            want.update(group(rp, rng, 2, [rows]))  # no room until the stopped process frees the first group's
+            assert rp.waits == 1 and time.monotonic() - t0 >= 0.25, "the step did not wait for the ring's room"
+        finally:
+            resume.cancel()
+            os.kill(rp.proc.pid, signal.SIGCONT)
+        for step in range(3, 12):  # nothing is taken off the pool meanwhile: 12 records fit its 32 slots
+            want.update(group(rp, rng, step, [rows]))
         check(take(src, len(want)), want)
-        assert rp.waits > 0
     finally:
         rp.close()
 

@@ -79,9 +79,13 @@ def test_without_an_engine_digest_the_record_is_proven_against_the_tokens_submit
         _prove(_record([5, 6, 7, 9]), InputItem(index=3, token_ids=ids), ids, None)
 
 
-def test_max_inflight_becomes_the_engines_max_num_seqs_unless_given():
-    from layertap.tap import engine_seqs_from_inflight
+def test_the_tap_queues_successors_in_the_engine_only_where_the_callers_engine_runs_at_most_max_inflight():
+    """Tap.lookahead: up to 2 x max_inflight in the engine only where the engine's own max_num_seqs (the
+    caller's; the Tap no longer sets it) is at most max_inflight; otherwise max_inflight, or no bound."""
+    from layertap.tap import Tap
 
-    assert engine_seqs_from_inflight({"dtype": "float32"}, 3) == {"dtype": "float32", "max_num_seqs": 3}
-    assert engine_seqs_from_inflight({"max_num_seqs": 64}, 3) == {"max_num_seqs": 64}  # the caller's own wins
-    assert engine_seqs_from_inflight({"dtype": "float32"}, None) == {"dtype": "float32"}
+    tap = Tap.__new__(Tap)
+    for seqs, inflight, lookahead, bound in [(1024, 4, True, 4), (4, 4, True, 8), (2, 4, True, 8),
+                                             (4, 4, False, 4), (4, None, True, None), (None, 4, True, 4)]:
+        tap._engine_seqs, tap.max_inflight, tap.lookahead = seqs, inflight, lookahead
+        assert tap._admit_bound() == bound, (seqs, inflight, lookahead)
