@@ -5,11 +5,14 @@
 #          bash scripts/gpu_bg.sh start 'COMMAND LINE' && bash scripts/gpu_bg.sh wait 5
 #   call 2 (carry the rest of the bundle): ... && bash .gpubundle/install-on-device.sh && bash scripts/gpu_bg.sh wait 480
 #   calls 3..: bash scripts/gpu_bg.sh wait 560     (exit 75: still running, call again at once)
+#   to replace a running job: bash scripts/gpu_bg.sh stop && bash scripts/gpu_bg.sh start '...' (never `pkill -f`
+#   a pattern inside a device call: it matches that call's own command line and ends it; 2026-12-07)
 # The command runs in its own process session with OUT=$BG/out; before it, PRE (a command line that needs no
 # vLLM, e.g. building the benchmark models on the GPU) runs at once, and then, where a bundle is being
 # delivered ($HOME/vllm-bundle exists), the job waits for its install (INSTALL_WAIT_S, 900 s) and stops by
 # name if it never comes. `wait N` prints the job's new log lines for at most N s and copies $BG/out into
-# $OUT. Exit: the job's status once it ended, 75 while it runs, 3 when none was started.
+# $OUT. Exit: the job's status once it ended, 75 while it runs, 3 when none was started, 4 when its driver was
+# killed from outside (no status; `wait` says so at once). `stop` ends the job's whole process session.
 # Settings: BG_DIR (/tmp/gpu_bg), PRE, INSTALL_WAIT_S; for `wait`: COPY (names under $BG/out to copy; default:
 # all of it as one archive, bg_out.tgz, and its 6 newest top-level files: a device call brings back 8 files), LOG_NAME (the driver log's name in $OUT,
 # gpu_bg.log). scripts/gpu_loop_bg.sh is this, for the drafter loop.
@@ -56,7 +59,13 @@ if [ "$cmd" = wait ]; then
     [ "$n" -gt "$shown" ] && sed -n "$((shown + 1)),${n}p" "$BG/driver.log" | grep -v "^(EngineCore\|^(Worker\|^INFO\|^(APIServer"
     shown=$n
   }
-  while [ ! -f "$BG/rc" ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do show; sleep 3; done
+  gone=0
+  while [ ! -f "$BG/rc" ] && [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do
+    show
+    # a driver killed from outside writes no status: say so at once rather than wait out the limit
+    if [ -f "$BG/pid" ] && ! kill -0 "$(cat "$BG/pid")" 2>/dev/null && [ ! -f "$BG/rc" ]; then gone=1; break; fi
+    sleep 3
+  done
   show
   mkdir -p "$OUT"
   # A device call brings back at most 8 files (two folders down): everything the job wrote, torch traces
@@ -68,6 +77,18 @@ if [ "$cmd" = wait ]; then
   else for f in $COPY; do [ -e "$BG/out/$f" ] && cp -r "$BG/out/$f" "$OUT/"; done; fi
   cp "$BG/driver.log" "$OUT/${LOG_NAME:-gpu_bg.log}"
   if [ -f "$BG/rc" ]; then exit "$(cat "$BG/rc")"; fi
+  if [ $gone = 1 ]; then echo "gpu_bg: the driver (pid $(cat "$BG/pid")) is gone and left no status: it was killed"; exit 4; fi
   echo "gpu_bg: still running after ${limit} s of this call (call wait again)"; exit 75
 fi
-echo "usage: bash scripts/gpu_bg.sh start 'COMMAND LINE' | wait SECONDS"; exit 2
+if [ "$cmd" = stop ]; then  # end the job and everything it started (its own process session), then say so
+  [ -f "$BG/pid" ] || { echo "gpu_bg: no job started in $BG"; exit 3; }
+  pid=$(cat "$BG/pid")
+  kill -TERM -- "-$pid" 2>/dev/null
+  for _ in $(seq 100); do kill -0 -- "-$pid" 2>/dev/null || break; sleep 0.2; done
+  kill -KILL -- "-$pid" 2>/dev/null
+  for _ in $(seq 50); do kill -0 -- "-$pid" 2>/dev/null || break; sleep 0.2; done
+  if kill -0 -- "-$pid" 2>/dev/null; then echo "gpu_bg: job $pid still has processes after SIGKILL"; exit 1; fi
+  [ -f "$BG/rc" ] || echo 143 > "$BG/rc"
+  echo "gpu_bg: stopped job $pid (status $(cat "$BG/rc"))"; exit 0
+fi
+echo "usage: bash scripts/gpu_bg.sh start 'COMMAND LINE' | wait SECONDS | stop"; exit 2

@@ -55,6 +55,15 @@
 #     SMALL_VARIANTS=plain,capture SMALL_BATCH_SIZES=1,4 SMALL_REPEATS=4 SMALL_ARGS="--prompts 128"
 #   (plain-ahead: plain with the Tap's depth, 2 x the target in the engine; `small`: the driver-bounded regime on the
 #   same host, for the two side by side). Only the PRE models step is needed (d2h is optional).
+# Fourteenth session (2026-12-07, H100): queued engines (max_num_seqs = the target, the rest of the call waiting in
+# them) ran slower than driver-fed ones of 4 seats, plain vLLM's included (plain 66k / 135k against 84k / 161k tok/s
+# at 1 / 4 in flight; two steps of one lease, not one paired run). So Tap(max_inflight=N) keeps vLLM's max_num_seqs
+# again. Next lease, FIRST, the two regimes in one paired run (~12 min; keep 15 min of device time for it):
+#   LEASE_STEPS=queue QUEUE_VARIANTS=plain,plain-wide,capture,capture-wide QUEUE_BATCH_SIZES=1,4,16 QUEUE_REPEATS=4
+#     QUEUE_ARGS="--prompts 128 --wide-seqs 64"
+#   (plain / plain-wide: does a queued engine of target seats run slower than a wide one fed the target?
+#   capture-wide / plain-wide: the ratio users of Tap(max_inflight=N) now get). To change a running job use
+#   `bash scripts/gpu_bg.sh stop`, never `pkill -f` in a device call (it matched the call itself, 2026-12-07).
 # Since the seventh session of 2026-12-06 the step profile (stepprof) says where the engine thread's time goes,
 # function by function: ~0.35 ms a request for the floor, ~0.73 for capture, on ~10 ms steps (RESULTS.md). Measure
 # a change to that thread with LEASE_STEPS="leantests small stepprof": its counters hold across hosts where the
