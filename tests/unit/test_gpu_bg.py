@@ -85,3 +85,34 @@ def test_wait_brings_everything_back_within_the_device_calls_file_limit(tmp_path
     assert {f"f{i}.log" for i in range(1, 10)} | {"a/b/c/r.json"} <= names
     assert "x.pt.trace.json.gz" not in names
     assert (out / "gpu_bg.log").exists() and (out / "f9.log").read_text() == "9\n"
+
+
+def test_stop_ends_the_whole_job_and_a_killed_driver_is_named_at_once(tmp_path: Path) -> None:
+    """`stop` ends the job's process session (the driver and what it started), so a new job can start at once;
+    a driver killed from outside leaves no status, and `wait` says so at once instead of waiting out its limit
+    (2026-12-07: a lease's last 540 s went to a `wait` on a driver that a stray kill had ended)."""
+    import time
+
+    env = _env(tmp_path, bundle=False)
+    assert _run(env, "stop").returncode == 3  # nothing started: said
+    assert _run(env, "start", 'sleep 300 & echo $! > "$OUT/child"; wait').returncode == 0
+    for _ in range(100):
+        if (tmp_path / "bg" / "out" / "child").exists():
+            break
+        time.sleep(0.1)
+    child = int((tmp_path / "bg" / "out" / "child").read_text())
+    stopped = _run(env, "stop")
+    assert stopped.returncode == 0 and "stopped job" in stopped.stdout, stopped.stdout
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)  # the job's own child went with it
+    assert _run(env, "start", 'echo again > "$OUT/y"').returncode == 0
+    assert _run(env, "wait", "30").returncode == 0
+    assert (tmp_path / "out" / "y").read_text() == "again\n"
+
+    assert _run(env, "start", "sleep 300").returncode == 0
+    pid = int((tmp_path / "bg" / "pid").read_text())
+    os.killpg(pid, 9)
+    t0 = time.monotonic()
+    res = _run(env, "wait", "120")
+    assert res.returncode == 4 and "left no status" in res.stdout, res.stdout
+    assert time.monotonic() - t0 < 30
