@@ -409,6 +409,13 @@ def shutdown(llm) -> None:
         torch.cuda.empty_cache()
 
 
+def needs_queue(args, variant: str) -> None:
+    """plain-ahead and the -wide variants compare regimes that only --queue sets apart: refuse them without it."""
+    if not args.queue:
+        raise SystemExit(f"{variant} needs --queue (without it every engine's max_num_seqs is the largest batch size "
+                         "and the driver keeps the target in it: plain and capture are that regime)")
+
+
 def record_mode(args) -> str:
     """The records' mode: ``prompt`` for ``--max-tokens 1`` (prefill only), else ``generate``."""
     return "prompt" if args.max_tokens == 1 else "generate"
@@ -431,9 +438,8 @@ class Plain:
 
         from layertap.engine import launch
 
-        if (ahead or wide) and not args.queue:
-            raise SystemExit("plain-ahead and the -wide variants need --queue (without it every engine's max_num_seqs "
-                             "is the largest batch size and the driver keeps the target: plain and capture are that)")
+        if ahead or wide:
+            needs_queue(args, "plain-ahead" if ahead else "plain-wide")
         self.data = data
         # spawn (variant plain-spawn): the engine core spawned, as capture engines are (launch.engine_env);
         # plain vLLM forks it from this process, which has not touched CUDA
@@ -522,8 +528,8 @@ class Capture:
                  **extra):
         from layertap.tap import Tap
 
-        if wide and not args.queue:
-            raise SystemExit("capture-wide needs --queue (without it, capture is the driver-bounded regime)")
+        if wide:
+            needs_queue(args, "capture-wide")
         self.inputs = [{"token_ids": ids} for ids in data]
         self.prompt_len = args.prompt_len
         # --max-tokens > 1: generate mode, each record holds the prompt's rows and every generated token's

@@ -115,10 +115,8 @@ class Tap:
         """Seconds the transport may stay full with nothing in flight before ``TransportFull`` is raised."""
         self.max_inflight = max_inflight
         """At most this many requests run in the engine at once; the Tap keeps that many in it. The engine's own
-        ``max_num_seqs`` is the caller's (vLLM's default unless given). For a few hours on 2026-12-07 the Tap set
-        it to ``max_inflight``; on an H100, engines run that way (successors queued in them) were slower at 1-4
-        in flight than engines of more seats fed by this process (benchmarks/RESULTS.md, fourteenth session).
-        Where the caller gives ``max_num_seqs`` at most ``max_inflight``, see ``lookahead``."""
+        ``max_num_seqs`` is the caller's (vLLM's default unless given); where it is at most ``max_inflight``, see
+        ``lookahead``."""
         self.lookahead = True
         """Where the engine's ``max_num_seqs`` is at most ``max_inflight``, admit up to ``max_inflight`` more
         requests than that: they wait in the engine's own queue, so the engine replaces a finished request

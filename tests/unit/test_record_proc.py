@@ -93,9 +93,9 @@ def test_records_carry_their_rows_ids_and_manifest(pool):
 
 
 def test_the_ring_wraps_and_the_step_waits_for_room(pool):
-    """A group of one page's rows and one more takes 2 of the ring's 4 pages. With the record process stopped (SIGSTOP), two groups
-    fill the ring and the third must wait until it runs again and frees their pages; then the ring wraps for
-    nine more groups. (Left to the scheduler, whether the step ever waits depends on which process runs first:
+    """A group of one page's rows and one more takes 2 of the ring's 4 pages. With the record process stopped
+    (SIGSTOP), two groups fill the ring and the third must wait until it runs again and frees their pages; then
+    the ring wraps for nine more groups. (Left to the scheduler, whether the step ever waits depends on which process runs first:
     on a busy machine the record process kept up and this test saw no wait.)"""
     tcfg, src = pool
     rp = start(tcfg, ring_bytes=4 * ALIGN)
