@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -249,8 +249,8 @@ class Tap:
         ``mode="generate"``: rows = input tokens + generated tokens except the last sampled one.
         Inputs that would overrun ``max_model_len`` are rejected by name (``self.rejected``); the rest run.
         A bad input (``InputError``) stops the call before any record is handed out. Writing a dataset
-        (``file``), every input is checked before any request; streaming, the first admission round's inputs
-        are checked before it and the others while those requests run.
+        (``file``), every input is checked before any request; streaming, the first before its admission and the
+        others while it runs, each before its own admission.
         """
         from vllm import SamplingParams
 
@@ -284,21 +284,22 @@ class Tap:
 
         # Writing a dataset (file): records land on disk as their requests finish, so every input is checked
         # before any request goes to the engine and a call with a bad input leaves no record there. Streamed
-        # records (shm, mooncake): the inputs of the first admission round are checked before it, the rest while
-        # those requests run and before any record is handed out (a bad one raises InputError and the admitted
-        # requests are aborted). Checking them all first kept the engine idle ~50 us per 1,024-token input at
-        # the start of every call (13 ms for 256 inputs on the H100 host of 2026-12-06, 1.6% of the call at
-        # 64-256 in flight).
+        # records (shm, mooncake): each input is checked just before it is admitted, the first alone before the
+        # first admission, and every other one before the first engine step is read, so before any record is
+        # handed out (a bad one raises InputError and the admitted requests are aborted). Checking them all first
+        # kept the engine idle ~50 us per 1,024-token input at the start of every call (13 ms for 256 inputs on
+        # the H100 host of 2026-12-06); checking the first round's 16 first, ~0.9 ms a call at 16 in flight (H100,
+        # 2026-12-07: `head` in capture_overhead.py --stats).
         if self.transport_name == "file":
             yield from self._run(take(None), sp, mode)
         else:
-            head = take(min(self.max_inflight or self.HEAD_INPUTS, self.HEAD_INPUTS))
-            yield from self._run(head, sp, mode, rest=lambda: take(None))
+            first = min(self.max_inflight or self.HEAD_INPUTS, self.HEAD_INPUTS)
+            yield from self._run(take(1), sp, mode, rest=(lambda: take(first - 1), lambda: take(None)))
 
     _UNREAD = object()
-    # At most this many inputs are checked before the first admission (fewer where max_inflight is lower):
-    # enough for the engine's first steps (16 inputs of 1,024 tokens are two steps at 8,192 tokens a step),
-    # while the rest are checked and admitted as those run
+    # The first admission round takes at most this many inputs (fewer where max_inflight is lower), checked and
+    # admitted one after the first: enough for the engine's first steps (16 inputs of 1,024 tokens are two steps at
+    # 8,192 tokens a step), while the rest are checked and admitted as those run
     HEAD_INPUTS = 16
 
     def _admit_bound(self) -> int | None:
@@ -323,7 +324,7 @@ class Tap:
         return free is None or running + pending_records < free
 
     def _run(self, todo: list[InputItem], sp, mode: str,
-             rest: Callable[[], list[InputItem]] | None = None) -> Iterator[Record]:
+             rest: Sequence[Callable[[], list[InputItem]]] = ()) -> Iterator[Record]:
         by_req: dict[str, InputItem] = {}
         expect: dict[str, tuple[InputItem, list[int], str]] = {}  # record key -> (item, its token ids, their digest)
         try:
@@ -344,7 +345,10 @@ class Tap:
         return rid.rsplit("-", 1)[0] in self._abandoned_ids
 
     def _loop(self, todo: list[InputItem], sp, mode: str, by_req: dict, expect: dict,
-              rest: Callable[[], list[InputItem]] | None = None) -> Iterator[Record]:
+              rest: Sequence[Callable[[], list[InputItem]]] = ()) -> Iterator[Record]:
+        """``rest``: the inputs after ``todo``, in stages (each checks its inputs when called), all taken and
+        admitted as far as the bounds allow before the first engine step is read, so a bad input stops the call
+        before any record is handed out."""
         from vllm import TokensPrompt
 
         engine = self.llm.llm_engine
@@ -407,13 +411,13 @@ class Tap:
         # at least one record goes per round, so records never starve (None: no queue to look at).
         output_waiting = self._output_waiting if self.defer_records else None
 
-        if not queue and rest is not None:  # the first round's inputs were all skipped or rejected
-            queue, rest = list(reversed(rest())), None
-        while queue or ready or running or expect:  # a pending rest implies a non-empty first round (above)
+        stages = list(rest)
+        while not queue and stages:  # the inputs so far were all skipped or rejected
+            queue = list(reversed(stages.pop(0)()))
+        while queue or ready or running or expect:  # pending stages imply a non-empty queue (above)
             running += admit()
-            if rest is not None:  # the remaining inputs, checked while the first requests run
-                queue[:0] = reversed(rest())
-                rest = None
+            while stages:  # the remaining inputs, checked while the first requests run
+                queue[:0] = reversed(stages.pop(0)())
                 running += admit()
             if running:
                 prepare()
