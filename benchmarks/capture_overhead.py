@@ -14,7 +14,10 @@ once they explain nothing more, with where their answer stands: ``floor-hashed``
 by name at start-up where it did not take; ``capture-torch``, the torch record path, measured against the lean one on
 2026-12-03/04; ``capture-early``, records taken off the pool also while their requests run, and ``capture-pollall``
 (the way before and after the Tap of 6ff1a5f, one record at a time, which it was paired against and which was backed
-out), within the noise on 2026-12-06 (RESULTS, sixth session);
+out), within the noise on 2026-12-06 (RESULTS, sixth session); ``capture-chunked``, each record's copy in 1 MiB
+pieces (connector option offload_copy_chunk_kb), as capture on 2026-12-07 (H100, six rounds: 0.97 / 0.89 / 0.96
+against 0.98 / 0.90 / 0.96 at 1 / 4 / 16 in flight; an 8-byte copy waited 264 us behind another process's pieces,
+234 behind its whole copies: d2h_bandwidth.py);
 ``capture-piecewise``, PIECEWISE graphs, which prefill runs either way: ``serve_overhead.py`` keeps it):
     plain              vLLM as users run it (its default scheduling; the engine core forked from the driver)
     plain-spawn        plain with its engine core spawned, as every capture engine's is (``launch.engine_env``).
@@ -50,8 +53,6 @@ out), within the noise on 2026-12-06 (RESULTS, sixth session);
     capture-nogpu      as capture-nocopy, and the record process makes no CUDA call at all (offload_rows="nogpu"):
                        capture-nocopy / capture-nogpu is what a second CUDA context waiting on the engine's events
                        costs; capture-nogpu / floor-gather the record process's CPU work and the hand-over
-    capture-chunked    capture with each record's copy in pieces of 1 MiB (offload_copy_chunk_kb=1024): a small
-                       copy of the engine's own waits behind one piece, not a whole record
     capture-loud       capture with every step that runs no forward going through vLLM's connector round
                        (connector option quiet_empty_steps=False): capture / capture-loud is what skipping the
                        empty rounds buys (compat.install_quiet_empty_steps)
@@ -678,8 +679,6 @@ VARIANTS = {
                                               **profiler_kwargs(a, "capture-nocopy")),
     "capture-nogpu": lambda m, d, a: Capture(m, d, a, connector_options={"offload_rows": "nogpu"},
                                              **profiler_kwargs(a, "capture-nogpu")),
-    "capture-chunked": lambda m, d, a: Capture(m, d, a, connector_options={"offload_copy_chunk_kb": 1024},
-                                               **profiler_kwargs(a, "capture-chunked")),
     "capture-loud": lambda m, d, a: Capture(m, d, a, connector_options={"quiet_empty_steps": False},
                                             **profiler_kwargs(a, "capture-loud")),
     "capture-raw": lambda m, d, a: CaptureRaw(m, d, a, **profiler_kwargs(a, "capture-raw")),

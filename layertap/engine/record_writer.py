@@ -115,8 +115,10 @@ class WorkerSide:
         # reserves, copies and commits (``record_proc``). ``offload_staging_mb``: the ring's size.
         self.offload_wanted = bool(c._extra.get("offload", True))
         self.offload_mb = int(c._extra.get("offload_staging_mb", 512))
-        # The record process's copies in pieces of at most this many KiB (0: one copy a record), so a small
-        # device-to-host copy of the engine's own (its sampled ids) waits behind one piece at most.
+        # The record process's copies in pieces of at most this many KiB (0: one copy a record). Meant to let a
+        # small device-to-host copy of the engine's own (its sampled ids) pass between pieces; on the H100 it
+        # does not (it waited 264 us behind another process's 1 MiB pieces, 234 behind whole 16 MiB copies:
+        # benchmarks/d2h_bandwidth.py, RESULTS 2026-12-07), so the default stays one copy a record.
         self.offload_chunk_kb = int(c._extra.get("offload_copy_chunk_kb", 0))
         # Benchmark aid only (record_proc.ROW_MODES): "skip" leaves the rows uncopied, "nogpu" also makes no
         # CUDA call in the record process; records then carry whatever their slot held.
