@@ -64,6 +64,12 @@
 #   (plain / plain-wide: does a queued engine of target seats run slower than a wide one fed the target?
 #   capture-wide / plain-wide: the ratio users of Tap(max_inflight=N) now get). To change a running job use
 #   `bash scripts/gpu_bg.sh stop`, never `pkill -f` in a device call (it matched the call itself, 2026-12-07).
+# Fifteenth session (2026-12-07, H100, driver-fed as the benchmark, six rounds; RESULTS.md): capture 0.98 /
+# 0.90 / 0.96 at 1 / 4 / 16 in flight. At 4 the floor (no rows read) already costs 0.05 and the record path 0.05
+# (gather 0.02 at most, hand-over + record process 0.01, host copies 0.02); capture-after = capture, so not the
+# driver. Copies in 1 MiB pieces do not let the engine's small copy pass (d2h.txt: 264 against 234 us): dropped.
+# Next lease: the floor's own cost at 4 in flight, function by function: LEASE_STEPS=stepprof STEPPROF_INFLIGHT=4
+# STEPPROF_VARIANTS=plain-spawn,floor,capture; then cutting what it names on the engine thread.
 # Since the seventh session of 2026-12-06 the step profile (stepprof) says where the engine thread's time goes,
 # function by function: ~0.35 ms a request for the floor, ~0.73 for capture, on ~10 ms steps (RESULTS.md). Measure
 # a change to that thread with LEASE_STEPS="leantests small stepprof": its counters hold across hosts where the
