@@ -70,6 +70,16 @@
 # driver. Copies in 1 MiB pieces do not let the engine's small copy pass (d2h.txt: 264 against 234 us): dropped.
 # Next lease: the floor's own cost at 4 in flight, function by function: LEASE_STEPS=stepprof STEPPROF_INFLIGHT=4
 # STEPPROF_VARIANTS=plain-spawn,floor,capture; then cutting what it names on the engine thread.
+# Sixteenth session (2026-12-07, two H100 hosts; RESULTS.md): the head cut holds on the GPU (0.49-0.61 ms a call at
+# every size). A slow host (plain 52.7k tok/s at 1 in flight) gave capture 0.95 / 0.94 / 0.95 / 0.95 / 0.96 at 1-256;
+# a fast one 0.98 at 64 (floor 0.99), where the trace shows +1.3% kernel time (gather, the capture layer's cache
+# write) and the record path's host work inside the step thread's slack. Step profile at 4 in flight: the floor's
+# ~0.5 ms a request is spread over the capture layer in the forward, vLLM's connector calls in the scheduler and
+# add_requests (no one function > ~0.5% of a step); capture's extra step time is mostly not in record functions
+# (forward, add_requests, prepare_inputs 7-15% longer; 1.09 steps a request against 0.93). Next lease, on a host
+# whose plain runs >= 100k tok/s at 1 in flight (check env.txt and the first round before spending more):
+#   LEASE_STEPS=small SMALL_VARIANTS=plain,plain-spawn,capture SMALL_BATCH_SIZES=1,4,16 SMALL_REPEATS=8
+#     SMALL_ARGS="--prompts 128"   (eight rounds with the A/A control: how much of the 1-16 gap is the host)
 # Since the seventh session of 2026-12-06 the step profile (stepprof) says where the engine thread's time goes,
 # function by function: ~0.35 ms a request for the floor, ~0.73 for capture, on ~10 ms steps (RESULTS.md). Measure
 # a change to that thread with LEASE_STEPS="leantests small stepprof": its counters hold across hosts where the
