@@ -78,8 +78,15 @@
 # add_requests (no one function > ~0.5% of a step); capture's extra step time is mostly not in record functions
 # (forward, add_requests, prepare_inputs 7-15% longer; 1.09 steps a request against 0.93). Next lease, on a host
 # whose plain runs >= 100k tok/s at 1 in flight (check env.txt and the first round before spending more):
+#   PRE='MODELS=small bash scripts/gpu_check.sh models && timeout 240 python3 benchmarks/record_path_cost.py
+#     --records 2,8 --busy-ms 0,5 --iters 150 --json $OUT/record_path_cost.json > $OUT/record_path_cost.txt 2>&1'
+#     (no vLLM needed: runs while the bundle installs. The record process path's step-thread cost split into
+#     staging / index / gather / copies / send: the step profile put _gather_group_offload at ~0.53 ms a step
+#     with only ~0.27 of it in the index upload, the IPC event and the hand-over; where does the rest go?)
 #   LEASE_STEPS=small SMALL_VARIANTS=plain,plain-spawn,capture SMALL_BATCH_SIZES=1,4,16 SMALL_REPEATS=8
 #     SMALL_ARGS="--prompts 128"   (eight rounds with the A/A control: how much of the 1-16 gap is the host)
+# The step profile's per-call times moved 40% between runs of one variant on that slow host (forward 12.8-18.5 ms a
+# call for capture, 13.4-18.7 for plain-spawn) and throughput followed them: compare variants per call, by round.
 # Since the seventh session of 2026-12-06 the step profile (stepprof) says where the engine thread's time goes,
 # function by function: ~0.35 ms a request for the floor, ~0.73 for capture, on ~10 ms steps (RESULTS.md). Measure
 # a change to that thread with LEASE_STEPS="leantests small stepprof": its counters hold across hosts where the

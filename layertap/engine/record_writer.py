@@ -36,11 +36,13 @@ from layertap.transport.base import get_transport
 log = logging.getLogger("vllm.layertap")
 
 
-PHASES = ("blocks", "staging", "gather", "reserve", "copies")
+PHASES = ("blocks", "staging", "index", "gather", "reserve", "copies", "send")
 """The CUDA record path's phases on the step thread: the records' view blocks (``view_blocks_for``); the
-staging bound (``_bound_staging``: waits only when the device copies are behind); the gather (event, index
-upload, gather kernel, the forward stream's wait); the transport reservations (slot claim, header, token
-ids); the host copies and device commits queued on the copy stream."""
+staging bound (``_bound_staging``, or the record process's ring room: waits only when the copies are behind);
+the index upload (record process path only; the other paths count it in the gather); the gather (event,
+gather kernel, the forward stream's wait); the transport reservations (slot claim, header, token ids); the
+host copies and device commits queued on the copy stream (record process path: the descriptor's spans);
+the hand-over to the record process (the descriptor pickled and written into its pipe)."""
 
 
 class _DeviceBytes:
@@ -555,6 +557,7 @@ class WorkerSide:
         t = self._lap("staging", t)
         fwd = torch.cuda.current_stream().cuda_stream
         index = self.index_upload(lists, fwd)
+        t = self._lap("index", t)
         off = (pos % rp.size) // self.view.element_size()
         if self.geo.plane_axis == 2:  # blocks of [block, planes, hidden]: rows in order, gathered in place
             n = index.shape[0]
@@ -566,12 +569,13 @@ class WorkerSide:
         event = rp.record_event(fwd)
         t = self._lap("gather", t)
         spans = spans_of(lists, [job.num_rows for job in group], self.geo.view_block_size)
-        rp.send(pos, nbytes, event, [(job.key, a, n, job.token_ids, job.meta) for job, (a, n) in zip(group, spans)],
-                group[0].shared)
+        items = [(job.key, a, n, job.token_ids, job.meta) for job, (a, n) in zip(group, spans)]
+        t = self._lap("copies", t)
+        rp.send(pos, nbytes, event, items, group[0].shared)
         for job in group:
             if job.release:
                 self.released.add(job.req_id)
-        self._lap("copies", t)
+        self._lap("send", t)
 
     def _reserve_raw(self, job: SaveJob) -> Any:
         """The record's transport memory as byte offsets (lean path), its token ids and loss mask written
