@@ -245,6 +245,29 @@ def report(runs: dict[str, list[dict]], inflight: int) -> None:
     print(f"{'function':58}" + "".join(f"{v:>22}" for v in variants))
     for k in names:
         print(f"{k[:58]:58}" + "".join(f"{per[v].get(k, 0.0):>12.1f} ({calls[v].get(k, 0.0):>6.2f})" for v in variants))
+    pace(runs)
+
+
+def pace(runs: dict[str, list[dict]]) -> None:
+    """Per run, the host's pace beside the throughput: ms a call of the engine's step and of the model's forward.
+    Where these move between runs of one variant as much as the variants differ (an H100 host, 2026-12-07: the
+    forward 12.8-18.5 ms a call within one variant, throughput following it), the medians of shared functions
+    above show the host's drift; read only functions that exist in one variant."""
+    print("per run (in run order): tokens/s / ms a call of the engine step / of the model's forward")
+    for v, rs in runs.items():
+        cells = []
+        for r in rs:
+            tot: dict[str, list] = {}
+            for stats in r["procs"].values():
+                for k, (n, sec) in stats.items():
+                    t = tot.setdefault(k, [0, 0.0])
+                    t[0] += n
+                    t[1] += sec
+            step = tot.get("core:EngineCore.step_with_batch_queue", [0, 0.0])
+            fwd = next((t for k, t in tot.items() if k.endswith("ForCausalLM.forward")), [0, 0.0])
+            ms = [1e3 * sec / n if n else float("nan") for n, sec in (step, fwd)]
+            cells.append(f"{r['rate']:>8.0f} / {ms[0]:5.2f} / {ms[1]:5.2f}")
+        print(f"  {v:<14}" + "   ".join(cells))
 
 
 if __name__ == "__main__":

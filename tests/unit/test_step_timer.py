@@ -63,3 +63,23 @@ def test_a_wrapped_module_still_runs_with_python_m(tmp_path):
     p = subprocess.run([sys.executable, "-m", "layertap.engine.record_proc"], env=env, input=b"",
                        capture_output=True, timeout=120)
     assert p.returncode == 0, p.stderr.decode()[-2000:]  # no configuration on stdin: it exits at once, cleanly
+
+
+def test_the_report_prints_each_runs_pace_beside_its_throughput(capsys):
+    """step_profile's report ends with one line a variant: per run, tokens/s and ms a call of the engine step and
+    of the model's forward (summed over the run's processes), so a host whose pace drifts between runs shows it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import step_profile
+
+    def run(rate: float, step_s: float, fwd_s: float) -> dict:
+        return {"rate": rate, "requests": 10, "procs": {
+            "VLLM::EngineCore:1": {"core:EngineCore.step_with_batch_queue": [4, step_s],
+                                   "qwen3:Qwen3ForCausalLM.forward": [2, fwd_s]},
+            "python3:2": {"tap:Tap.step": [5, 0.01]}}}
+
+    step_profile.report({"plain": [run(1000.0, 0.04, 0.03), run(900.0, 0.048, 0.036)],
+                         "capture": [run(950.0, 0.044, 0.032)]}, 4)
+    out = capsys.readouterr().out
+    lines = {ln.split()[0]: ln for ln in out.splitlines()[-2:]}
+    assert "1000 / 10.00 / 15.00" in lines["plain"] and "900 / 12.00 / 18.00" in lines["plain"], out
+    assert "950 / 11.00 / 16.00" in lines["capture"], out
