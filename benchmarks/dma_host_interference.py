@@ -4,10 +4,11 @@
 
 Capture's record copies land in host memory by DMA (the record process, its own CUDA context, copying
 records of ~16 MiB each into the registered shared-memory pool), while vLLM's step thread runs Python
-that is bound by the CPU at 1-16 requests in flight. The step profile of 2026-12-07 showed that thread's
-functions 7-15% slower with capture than without, in functions that do no record work. One explanation
-to test: the DMA traffic itself (memory bandwidth, or inbound writes placed in the last-level cache, as on
-hosts with Intel DDIO) slowing unrelated host code.
+that is bound by the CPU at 1-16 requests in flight. The step profile of 2026-12-07 put that thread's
+functions 7-15% slower with capture than without, in functions that do no record work (read per run later,
+most of that was the host's own drift: ``step_profile.py``'s pace line). One explanation to rule out either
+way: the DMA traffic itself (memory bandwidth, or inbound writes placed in the last-level cache, as on hosts
+with Intel DDIO) slowing unrelated host code.
 
 A child process (spawned; blocking event waits, as the record process) copies ``--mb`` MiB from the device
 into successive places of a ``--ring-mb`` page-locked ring, either back to back (``busy``, the copy engine's
@@ -100,7 +101,7 @@ def main() -> None:
     os.sched_setaffinity(0, {me})
     sib = [c for c in _siblings(me) if c != me and c in cpus]
     far = [c for c in cpus if c not in _siblings(me)]
-    placements = {"far CPU": far[-1] if far[-1] != me else far[0]} if far else {}
+    placements = {"far CPU": far[-1]} if far else {}  # far holds neither this CPU nor its siblings
     if sib:
         placements["hyperthread sibling"] = sib[0]
     x = torch.zeros(1024, device="cuda")

@@ -185,19 +185,24 @@ PARTS = {  # layertap's work on the engine's step thread, in parts that do not n
 }
 
 
+def totals(run: dict) -> dict[str, list]:
+    """One run's counters summed over its processes (a function runs in one of them): name -> [calls, seconds]."""
+    tot: dict[str, list] = {}
+    for stats in run["procs"].values():
+        for k, (n, sec) in stats.items():
+            t = tot.setdefault(k, [0, 0.0])
+            t[0] += n
+            t[1] += sec
+    return tot
+
+
 def per_request(runs: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
     """Medians over runs of microseconds and of calls per request, by counter (summed over the run's processes:
     a function runs in one of them)."""
     us: dict[str, list[float]] = {}
     calls: dict[str, list[float]] = {}
     for run in runs:
-        tot: dict[str, list] = {}
-        for stats in run["procs"].values():
-            for k, (n, sec) in stats.items():
-                t = tot.setdefault(k, [0, 0.0])
-                t[0] += n
-                t[1] += sec
-        for k, (n, sec) in tot.items():
+        for k, (n, sec) in totals(run).items():
             us.setdefault(k, []).append(1e6 * sec / run["requests"])
             calls.setdefault(k, []).append(n / run["requests"])
     return ({k: statistics.median(x) for k, x in us.items()}, {k: statistics.median(x) for k, x in calls.items()})
@@ -257,12 +262,7 @@ def pace(runs: dict[str, list[dict]]) -> None:
     for v, rs in runs.items():
         cells = []
         for r in rs:
-            tot: dict[str, list] = {}
-            for stats in r["procs"].values():
-                for k, (n, sec) in stats.items():
-                    t = tot.setdefault(k, [0, 0.0])
-                    t[0] += n
-                    t[1] += sec
+            tot = totals(r)
             step = tot.get("core:EngineCore.step_with_batch_queue", [0, 0.0])
             fwd = next((t for k, t in tot.items() if k.endswith("ForCausalLM.forward")), [0, 0.0])
             ms = [1e3 * sec / n if n else float("nan") for n, sec in (step, fwd)]
