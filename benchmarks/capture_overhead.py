@@ -50,6 +50,8 @@ against 0.98 / 0.90 / 0.96 at 1 / 4 / 16 in flight; an 8-byte copy waited 264 us
     capture-nocopy     capture with the record process copying no rows (connector option offload_rows="skip"; its
                        stream still waits on each gather's event, it reserves and commits): records carry no rows.
                        capture / capture-nocopy is what the rows' device-to-host copies cost the engine
+    capture-batch      capture with the step thread's gather queued as one batch of block copies
+                       (connector option offload_gather="batch": no torch call, ``gpu_gather.BatchCopies``)
     capture-nogpu      as capture-nocopy, and the record process makes no CUDA call at all (offload_rows="nogpu"):
                        capture-nocopy / capture-nogpu is what a second CUDA context waiting on the engine's events
                        costs; capture-nogpu / floor-gather the record process's CPU work and the hand-over
@@ -677,6 +679,8 @@ VARIANTS = {
                                               **profiler_kwargs(a, "capture-inproc")),
     "capture-nocopy": lambda m, d, a: Capture(m, d, a, connector_options={"offload_rows": "skip"},
                                               **profiler_kwargs(a, "capture-nocopy")),
+    "capture-batch": lambda m, d, a: Capture(m, d, a, connector_options={"offload_gather": "batch"},
+                                             **profiler_kwargs(a, "capture-batch")),
     "capture-nogpu": lambda m, d, a: Capture(m, d, a, connector_options={"offload_rows": "nogpu"},
                                              **profiler_kwargs(a, "capture-nogpu")),
     "capture-loud": lambda m, d, a: Capture(m, d, a, connector_options={"quiet_empty_steps": False},

@@ -28,8 +28,10 @@ stream order, its index comes from a page-locked ring into a device buffer that 
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
+import numpy as np
 import torch
 
 from layertap.engine.cache_view import ViewGeometry, gather_blocks
@@ -235,6 +237,55 @@ class RawEvent:
             self.rt._ev_destroy(self.handle)
         except Exception:  # interpreter shutdown: the runtime may be gone
             pass
+
+
+class _MemLocation(ctypes.Structure):  # cudaMemLocation
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):  # cudaMemcpyAttributes
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation), ("dstLocHint", _MemLocation),
+                ("flags", ctypes.c_uint)]
+
+
+class BatchCopies:
+    """``cudaMemcpyBatchAsync`` (CUDA >= 12.8) through the runtime ``RawCopies`` found: any number of copies
+    in one call, here a step's cache blocks into the record process's staging ring (device to device), where a
+    torch gather costs the step thread an index upload, two views and ``index_select(out=)``. Every copy reads
+    its source in stream order. CUDA 13 dropped the ``failIdx`` argument; both signatures are bound by the
+    runtime's version. The batch API refuses the legacy default stream (where vLLM runs its forward): callers
+    fence a side stream with events."""
+
+    SRC_ACCESS_ORDER_STREAM = 1
+
+    def __init__(self, rc: RawCopies, fn: Any, version: int):
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        self.rc, self.fn, self.version = rc, fn, version
+        self.v13 = version >= 13000
+        fn.argtypes = [vp, vp, vp, sz, ctypes.POINTER(_MemcpyAttributes), ctypes.POINTER(sz), sz] + (
+            [vp] if self.v13 else [ctypes.POINTER(sz), vp])
+        fn.restype = ctypes.c_int
+        self.attrs = _MemcpyAttributes(self.SRC_ACCESS_ORDER_STREAM, _MemLocation(0, 0), _MemLocation(0, 0), 0)
+        self.first = (sz * 1)(0)
+        self.fail = sz(0)
+
+    @classmethod
+    def load(cls, rc: RawCopies) -> "BatchCopies | None":
+        """The batch entry point of ``rc``'s runtime, or ``None`` (a runtime before 12.8)."""
+        lib = ctypes.CDLL(rc.path)
+        ver = ctypes.c_int()
+        if lib.cudaRuntimeGetVersion(ctypes.byref(ver)) != 0 or ver.value < 12080:
+            return None
+        fn = getattr(lib, "cudaMemcpyBatchAsync", None)
+        return None if fn is None else cls(rc, fn, ver.value)
+
+    def __call__(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+        """Queue ``sizes[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` (uint64 addresses, C-contiguous) on ``stream``."""
+        n = len(dsts)
+        head = (dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, n, ctypes.byref(self.attrs), self.first, 1)
+        code = self.fn(*head, stream) if self.v13 else self.fn(*head, ctypes.byref(self.fail), stream)
+        if code != 0:
+            self.rc._check(code, f"cudaMemcpyBatchAsync of {n} copies")
 
 
 class IndexUpload:

@@ -4,6 +4,7 @@ CUDA stream rules). Runs in each worker process; only TP rank 0 reads and writes
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -19,6 +20,7 @@ import torch
 from layertap.engine import compat
 from layertap.engine.cache_view import CacheLayoutError, gather_blocks, kernel_ratio, slots_for, view_blocks_for, view_geometry
 from layertap.engine.gpu_gather import (
+    BatchCopies,
     IndexUpload,
     RawCopies,
     RawEvent,
@@ -34,6 +36,8 @@ from layertap.records import MetaTemplate, ids_and_digest
 from layertap.transport.base import get_transport
 
 log = logging.getLogger("vllm.layertap")
+
+OFFLOAD_GATHER_ENV = "LAYERTAP_OFFLOAD_GATHER"  # the connector option offload_gather's default ("torch")
 
 
 PHASES = ("blocks", "staging", "index", "gather", "reserve", "copies", "send")
@@ -125,6 +129,13 @@ class WorkerSide:
         # Benchmark aid only (record_proc.ROW_MODES): "skip" leaves the rows uncopied, "nogpu" also makes no
         # CUDA call in the record process; records then carry whatever their slot held.
         self.offload_rows = str(c._extra.get("offload_rows", "copy"))
+        # How the step thread queues the gather into the staging ring (connector option ``offload_gather``):
+        # "torch" (index upload + ``index_select`` into a view of the ring) or "batch" (one
+        # ``cudaMemcpyBatchAsync`` of the records' cache blocks, no torch call: ``gpu_gather.BatchCopies``).
+        self.offload_gather = str(c._extra.get("offload_gather", os.environ.get(OFFLOAD_GATHER_ENV, "torch")))
+        if self.offload_gather not in ("torch", "batch"):
+            raise ValueError(f"offload_gather must be 'torch' or 'batch', not {self.offload_gather!r}")
+        self.batch: BatchCopies | None = None
         self.rp = None  # the RecordProcess, once started
         self.ring_t: torch.Tensor | None = None
         # Benchmark aid only (benchmarks/capture_overhead.py "floor"): saves are reported done without
@@ -250,8 +261,37 @@ class WorkerSide:
         self.ring_t = torch.as_tensor(_DeviceBytes(self.rp.ptr, self.rp.size), device=self.view.device
                                       ).view(self.view.dtype)
         self.block_elems = self.view[0].numel()
-        log.info("layertap worker: record process %d started (staging ring %d MiB on %s); the step thread gathers, "
-                 "the record process copies and commits", self.rp.proc.pid, self.rp.size >> 20, self.view.device)
+        if self.offload_gather == "batch":
+            self._open_batch()
+        log.info("layertap worker: record process %d started (staging ring %d MiB on %s); the step thread gathers "
+                 "(%s), the record process copies and commits", self.rp.proc.pid, self.rp.size >> 20,
+                 self.view.device, "batched block copies" if self.batch is not None else "torch index_select")
+
+    def _open_batch(self) -> None:
+        """The batched gather (``offload_gather="batch"``): each cache block of a record is one device-to-device
+        copy into the ring, all of a step's in one runtime call, on a side stream fenced by events (the forward
+        stream waits for it, so the blocks may be released in this step, as with the torch gather). Needs whole
+        blocks in memory order ([blocks, block size, planes, hidden], vLLM 0.25's layout); elsewhere it says why
+        and the torch gather stays."""
+        view, why = self.view, None
+        batch = BatchCopies.load(self.copies)
+        if batch is None:
+            why = "this CUDA runtime has no cudaMemcpyBatchAsync (before 12.8)"
+        elif self.geo.plane_axis != 2 or not view[0].is_contiguous():
+            why = f"a cache block is not one contiguous range (view {tuple(view.shape)}, strides {view.stride()})"
+        if why is not None:
+            log.warning("layertap worker: offload_gather='batch' unavailable (%s); the torch gather is used", why)
+            return
+        esize = view.element_size()
+        self.block_bytes = self.block_elems * esize
+        self.block_stride = view.stride(0) * esize
+        self.view_ptr = view.data_ptr()
+        cap = self.rp.size // self.block_bytes
+        self.ring_offsets = np.arange(cap, dtype=np.uint64) * np.uint64(self.block_bytes)
+        self.block_sizes = np.full(cap, self.block_bytes, dtype=np.uint64)
+        self.side = self.rp.rt.stream()
+        self.fence = self.copies.event()
+        self.batch = batch
 
     # ---- first-step slot check ----
     def check_unrun(self, meta: Any) -> None:
@@ -556,6 +596,9 @@ class WorkerSide:
             return
         t = self._lap("staging", t)
         fwd = torch.cuda.current_stream().cuda_stream
+        if self.batch is not None:
+            self._gather_batch(group, lists, nbytes, pos, fwd, t)
+            return
         index = self.index_upload(lists, fwd)
         t = self._lap("index", t)
         off = (pos % rp.size) // self.view.element_size()
@@ -570,6 +613,34 @@ class WorkerSide:
         t = self._lap("gather", t)
         spans = spans_of(lists, [job.num_rows for job in group], self.geo.view_block_size)
         items = [(job.key, a, n, job.token_ids, job.meta) for job, (a, n) in zip(group, spans)]
+        t = self._lap("copies", t)
+        rp.send(pos, nbytes, event, items, group[0].shared)
+        for job in group:
+            if job.release:
+                self.released.add(job.req_id)
+        self._lap("send", t)
+
+    def _gather_batch(self, group: list[SaveJob], lists: list[list[int]], nbytes: int, pos: int, fwd: int,
+                      t: float) -> None:
+        """``_gather_group_offload`` with the batched gather (``_open_batch``): block addresses computed with
+        numpy, one batch call on the side stream after a fence on the forward stream, the IPC event behind it,
+        and the forward stream waits on that event (nothing after it may rewrite the blocks before the copies)."""
+        rp, n = self.rp, sum(map(len, lists))
+        ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=n)
+        if n and (ids.min() < 0 or ids.max() >= self.geo.num_blocks):  # a copy would read outside the cache
+            raise CacheLayoutError(f"block ids {ids.min()}..{ids.max()} outside the capture cache's "
+                                   f"{self.geo.num_blocks} blocks")
+        srcs = ids.astype(np.uint64) * np.uint64(self.block_stride) + np.uint64(self.view_ptr)
+        dsts = self.ring_offsets[:n] + np.uint64(rp.ptr + pos % rp.size)
+        t = self._lap("index", t)
+        self.fence.record(fwd)
+        self.copies.wait_event(self.side, self.fence)
+        self.batch(dsts, srcs, self.block_sizes[:n], self.side)
+        event = rp.record_event(self.side)
+        self.copies.wait_event(fwd, rp.events[event])
+        t = self._lap("gather", t)
+        spans = spans_of(lists, [job.num_rows for job in group], self.geo.view_block_size)
+        items = [(job.key, a, n_rows, job.token_ids, job.meta) for job, (a, n_rows) in zip(group, spans)]
         t = self._lap("copies", t)
         rp.send(pos, nbytes, event, items, group[0].shared)
         for job in group:
