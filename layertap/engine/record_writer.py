@@ -43,7 +43,8 @@ OFFLOAD_GATHER_ENV = "LAYERTAP_OFFLOAD_GATHER"  # the connector option offload_g
 PHASES = ("blocks", "staging", "index", "gather", "reserve", "copies", "send")
 """The CUDA record path's phases on the step thread: the records' view blocks (``view_blocks_for``); the
 staging bound (``_bound_staging``, or the record process's ring room: waits only when the copies are behind);
-the index upload (record process path only; the other paths count it in the gather); the gather (event,
+the index upload (record process path only, or there with offload_gather='batch' the blocks' addresses; the other
+paths count it in the gather); the gather (event,
 gather kernel, the forward stream's wait); the transport reservations (slot claim, header, token ids); the
 host copies and device commits queued on the copy stream (record process path: the descriptor's spans);
 the hand-over to the record process (the descriptor pickled and written into its pipe)."""
@@ -596,20 +597,8 @@ class WorkerSide:
             return
         t = self._lap("staging", t)
         fwd = torch.cuda.current_stream().cuda_stream
-        if self.batch is not None:
-            self._gather_batch(group, lists, nbytes, pos, fwd, t)
-            return
-        index = self.index_upload(lists, fwd)
-        t = self._lap("index", t)
-        off = (pos % rp.size) // self.view.element_size()
-        if self.geo.plane_axis == 2:  # blocks of [block, planes, hidden]: rows in order, gathered in place
-            n = index.shape[0]
-            out = self.ring_t[off:off + n * self.block_elems].view(n, *self.view.shape[1:])
-            torch.index_select(self.view, 0, index, out=out)
-        else:  # [planes, block, hidden] blocks: rows made contiguous, then placed
-            rows = gather_blocks(self.view, self.geo, index)
-            self.ring_t[off:off + rows.numel()].view(rows.shape).copy_(rows)
-        event = rp.record_event(fwd)
+        gather = self._gather_batch if self.batch is not None else self._gather_torch
+        event, t = gather(lists, pos, fwd, t)
         t = self._lap("gather", t)
         spans = spans_of(lists, [job.num_rows for job in group], self.geo.view_block_size)
         items = [(job.key, a, n, job.token_ids, job.meta) for job, (a, n) in zip(group, spans)]
@@ -620,11 +609,26 @@ class WorkerSide:
                 self.released.add(job.req_id)
         self._lap("send", t)
 
-    def _gather_batch(self, group: list[SaveJob], lists: list[list[int]], nbytes: int, pos: int, fwd: int,
-                      t: float) -> None:
-        """``_gather_group_offload`` with the batched gather (``_open_batch``): block addresses computed with
-        numpy, one batch call on the side stream after a fence on the forward stream, the IPC event behind it,
-        and the forward stream waits on that event (nothing after it may rewrite the blocks before the copies)."""
+    def _gather_torch(self, lists: list[list[int]], pos: int, fwd: int, t: float) -> tuple[int, float]:
+        """The rows of ``lists``' blocks into the ring at ``pos``, on the forward stream: the index upload (phase
+        ``index``), then ``index_select`` into a view of the ring; returns the IPC event recorded behind it."""
+        rp = self.rp
+        index = self.index_upload(lists, fwd)
+        t = self._lap("index", t)
+        off = (pos % rp.size) // self.view.element_size()
+        if self.geo.plane_axis == 2:  # blocks of [block, planes, hidden]: rows in order, gathered in place
+            n = index.shape[0]
+            out = self.ring_t[off:off + n * self.block_elems].view(n, *self.view.shape[1:])
+            torch.index_select(self.view, 0, index, out=out)
+        else:  # [planes, block, hidden] blocks: rows made contiguous, then placed
+            rows = gather_blocks(self.view, self.geo, index)
+            self.ring_t[off:off + rows.numel()].view(rows.shape).copy_(rows)
+        return rp.record_event(fwd), t
+
+    def _gather_batch(self, lists: list[list[int]], pos: int, fwd: int, t: float) -> tuple[int, float]:
+        """``_gather_torch`` as one batch of block copies (``_open_batch``): block addresses computed with numpy,
+        the batch on the side stream after a fence on the forward stream, the IPC event behind it, and the forward
+        stream waits on that event (no later work there may rewrite the blocks before the copies read them)."""
         rp, n = self.rp, sum(map(len, lists))
         ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=n)
         if n and (ids.min() < 0 or ids.max() >= self.geo.num_blocks):  # a copy would read outside the cache
@@ -638,15 +642,7 @@ class WorkerSide:
         self.batch(dsts, srcs, self.block_sizes[:n], self.side)
         event = rp.record_event(self.side)
         self.copies.wait_event(fwd, rp.events[event])
-        t = self._lap("gather", t)
-        spans = spans_of(lists, [job.num_rows for job in group], self.geo.view_block_size)
-        items = [(job.key, a, n_rows, job.token_ids, job.meta) for job, (a, n_rows) in zip(group, spans)]
-        t = self._lap("copies", t)
-        rp.send(pos, nbytes, event, items, group[0].shared)
-        for job in group:
-            if job.release:
-                self.released.add(job.req_id)
-        self._lap("send", t)
+        return event, t
 
     def _reserve_raw(self, job: SaveJob) -> Any:
         """The record's transport memory as byte offsets (lean path), its token ids and loss mask written
