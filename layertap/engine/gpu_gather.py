@@ -29,12 +29,13 @@ stream order, its index comes from a page-locked ring into a device buffer that 
 from __future__ import annotations
 
 import ctypes
+import itertools
 from typing import Any
 
 import numpy as np
 import torch
 
-from layertap.engine.cache_view import ViewGeometry, gather_blocks
+from layertap.engine.cache_view import CacheLayoutError, ViewGeometry, gather_blocks
 
 
 def gather_on_device(view: torch.Tensor, geo: ViewGeometry, block_lists: list[list[int]], side: "torch.cuda.Stream",
@@ -237,6 +238,22 @@ class RawEvent:
             self.rt._ev_destroy(self.handle)
         except Exception:  # interpreter shutdown: the runtime may be gone
             pass
+
+
+def block_copies(lists: list[list[int]], src: int, block_stride: int, num_blocks: int, dst: int,
+                 block_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(destinations, sources, sizes) as uint64 arrays for ``BatchCopies``: every block of ``lists`` (in order,
+    ``block_bytes`` each) from ``src + id * block_stride`` to consecutive places from ``dst`` on, which is
+    where ``index_select`` over the blocks would put them. An id outside ``0..num_blocks-1`` raises
+    ``CacheLayoutError`` (a copy would read outside the cache, where a kernel's index check would fail)."""
+    n = sum(map(len, lists))
+    ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=n)
+    if n and (ids.min() < 0 or ids.max() >= num_blocks):
+        raise CacheLayoutError(f"block ids {ids.min()}..{ids.max()} outside the capture cache's {num_blocks} blocks")
+    b = np.uint64(block_bytes)
+    srcs = ids.astype(np.uint64) * np.uint64(block_stride) + np.uint64(src)
+    dsts = np.arange(n, dtype=np.uint64) * b + np.uint64(dst)
+    return dsts, srcs, np.full(n, b, dtype=np.uint64)
 
 
 class _MemLocation(ctypes.Structure):  # cudaMemLocation

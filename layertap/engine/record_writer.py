@@ -4,7 +4,6 @@ CUDA stream rules). Runs in each worker process; only TP rank 0 reads and writes
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import queue
@@ -24,6 +23,7 @@ from layertap.engine.gpu_gather import (
     IndexUpload,
     RawCopies,
     RawEvent,
+    block_copies,
     copy_to_host,
     gather_on_device,
     register_host,
@@ -287,9 +287,6 @@ class WorkerSide:
         self.block_bytes = self.block_elems * esize
         self.block_stride = view.stride(0) * esize
         self.view_ptr = view.data_ptr()
-        cap = self.rp.size // self.block_bytes
-        self.ring_offsets = np.arange(cap, dtype=np.uint64) * np.uint64(self.block_bytes)
-        self.block_sizes = np.full(cap, self.block_bytes, dtype=np.uint64)
         self.side = self.rp.rt.stream()
         self.fence = self.copies.event()
         self.batch = batch
@@ -629,17 +626,13 @@ class WorkerSide:
         """``_gather_torch`` as one batch of block copies (``_open_batch``): block addresses computed with numpy,
         the batch on the side stream after a fence on the forward stream, the IPC event behind it, and the forward
         stream waits on that event (no later work there may rewrite the blocks before the copies read them)."""
-        rp, n = self.rp, sum(map(len, lists))
-        ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=n)
-        if n and (ids.min() < 0 or ids.max() >= self.geo.num_blocks):  # a copy would read outside the cache
-            raise CacheLayoutError(f"block ids {ids.min()}..{ids.max()} outside the capture cache's "
-                                   f"{self.geo.num_blocks} blocks")
-        srcs = ids.astype(np.uint64) * np.uint64(self.block_stride) + np.uint64(self.view_ptr)
-        dsts = self.ring_offsets[:n] + np.uint64(rp.ptr + pos % rp.size)
+        rp = self.rp
+        dsts, srcs, sizes = block_copies(lists, self.view_ptr, self.block_stride, self.geo.num_blocks,
+                                         rp.ptr + pos % rp.size, self.block_bytes)
         t = self._lap("index", t)
         self.fence.record(fwd)
         self.copies.wait_event(self.side, self.fence)
-        self.batch(dsts, srcs, self.block_sizes[:n], self.side)
+        self.batch(dsts, srcs, sizes, self.side)
         event = rp.record_event(self.side)
         self.copies.wait_event(fwd, rp.events[event])
         return event, t
