@@ -85,6 +85,19 @@
 #     with only ~0.27 of it in the index upload, the IPC event and the hand-over; where does the rest go?)
 #   LEASE_STEPS=small SMALL_VARIANTS=plain,plain-spawn,capture SMALL_BATCH_SIZES=1,4,16 SMALL_REPEATS=8
 #     SMALL_ARGS="--prompts 128"   (eight rounds with the A/A control: how much of the 1-16 gap is the host)
+# Seventeenth session (2026-12-07 evening): no machine (eight starts refused from 19:40, then loans paused at 20:32;
+# 886 s of the budget spent on refusals). Built instead, for the hand-over's unexplained ~0.24 ms a step (torch calls
+# that only queue the gather: index upload, ring slice and view, index_select(out=)): connector option
+# offload_gather="batch" queues the gather as ONE cudaMemcpyBatchAsync of the records' cache blocks into the ring
+# (gpu_gather.BatchCopies / block_copies; on a side stream fenced by raw events, the forward stream waiting on the
+# IPC event behind it), no torch call; off by default until the GPU says. Next lease, in this order:
+#   PRE='MODELS=small bash scripts/gpu_check.sh models && LEASE_STEPS=gathercost bash scripts/lease_issue15.sh'
+#     (no vLLM: gather_launch_cost.py, the three ways of queuing a step's gather, host us each, checked against
+#     the view; record_path_cost.py batch against torch, per phase, interleaved)
+#   LEASE_STEPS="leantests batchsmall" SMALL_BATCH_SIZES=1,4,16 SMALL_REPEATS=5 SMALL_ARGS="--prompts 128"
+#     (the CUDA record path's tests, the batched gather among them; then plain, capture, capture-batch at 1-16 in
+#     flight, capture-batch dropped if a test failed). If batch wins on the step thread and the rounds, make it the
+#     default (tests/gpu/test_lean_path.py already runs every test with it).
 # The step profile's per-call times moved 40% between runs of one variant on that slow host (forward 12.8-18.5 ms a
 # call for capture, 13.4-18.7 for plain-spawn) and throughput followed them: compare variants per call, by round.
 # Since the seventh session of 2026-12-06 the step profile (stepprof) says where the engine thread's time goes,
@@ -176,6 +189,20 @@ leantests
     -k "matches_hf and compiled and not extract and not piecewise" 2>&1 | grep -v "^(EngineCore\|^(Worker\|^INFO" \
     | tail -25 | tee "$OUT/offtests.txt" )
 el "record process tests"
+}
+gathercost() {  # the batched gather (connector option offload_gather="batch", seventeenth session): what queuing one
+  # step's gather costs the step thread three ways (torch / one cudaMemcpyBatchAsync / a copy a block), then the whole
+  # record path per phase, batch against torch, interleaved. No vLLM: runs in PRE while the bundle installs.
+timeout 120 python3 benchmarks/gather_launch_cost.py --records 1,2,8 --iters 100 > "$OUT/gather_launch_cost.txt" 2>&1
+timeout 300 python3 benchmarks/record_path_cost.py --records 1,2,8 --busy-ms 0,5 --iters 100 --baseline-tree . --rounds 2 \
+  --options '{"offload_gather": "batch"}' --baseline-options '{}' > "$OUT/record_path_cost.txt" 2>&1
+tail -20 "$OUT/gather_launch_cost.txt" "$OUT/record_path_cost.txt"
+el "gather cost"
+}
+batchsmall() {  # small with capture-batch beside capture and plain, where leantests (run first) did not fail
+v=${BATCH_VARIANTS:-plain,capture,capture-batch}
+if grep -q "failed\|error" "$OUT/leantests.txt" 2>/dev/null; then v=plain,capture; echo "leantests failed: no capture-batch"; fi
+SMALL_VARIANTS=$v small
 }
 stepprof() {  # deterministic per-function time per request in every engine process (benchmarks/step_profile.py):
   # plain-spawn, floor and capture side by side on the small model at 1 and 4 in flight; where the floor's and
