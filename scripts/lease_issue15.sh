@@ -93,7 +93,8 @@
 # IPC event behind it), no torch call; off by default until the GPU says. Next lease, in this order:
 #   PRE='MODELS=small bash scripts/gpu_check.sh models && LEASE_STEPS=gathercost bash scripts/lease_issue15.sh'
 #     (no vLLM: gather_launch_cost.py, the three ways of queuing a step's gather, host us each, checked against
-#     the view; record_path_cost.py batch against torch, per phase, interleaved)
+#     the view; record_path_cost.py batch against torch, per phase, interleaved; handover_cost.py, the hand-over's
+#     pickle against the whole send: on this 2-core CPU the pipe write, not the pickle, is most of it)
 #   LEASE_STEPS="leantests batchsmall" SMALL_BATCH_SIZES=1,4,16 SMALL_REPEATS=5 SMALL_ARGS="--prompts 128"
 #     (the CUDA record path's tests, the batched gather among them; then plain, capture, capture-batch at 1-16 in
 #     flight, capture-batch dropped if a test failed). If batch wins on the step thread and the rounds, make it the
@@ -196,7 +197,8 @@ gathercost() {  # the batched gather (connector option offload_gather="batch", s
 timeout 120 python3 benchmarks/gather_launch_cost.py --records 1,2,8 --iters 100 > "$OUT/gather_launch_cost.txt" 2>&1
 timeout 300 python3 benchmarks/record_path_cost.py --records 1,2,8 --busy-ms 0,5 --iters 100 --baseline-tree . --rounds 2 \
   --options '{"offload_gather": "batch"}' --baseline-options '{}' > "$OUT/record_path_cost.txt" 2>&1
-tail -20 "$OUT/gather_launch_cost.txt" "$OUT/record_path_cost.txt"
+timeout 120 python3 benchmarks/handover_cost.py --records 1,2,8 --steps 300 > "$OUT/handover_cost.txt" 2>&1
+tail -20 "$OUT/gather_launch_cost.txt" "$OUT/record_path_cost.txt" "$OUT/handover_cost.txt"
 el "gather cost"
 }
 batchsmall() {  # small with capture-batch beside capture and plain, where leantests (run first) did not fail
