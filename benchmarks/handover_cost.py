@@ -31,12 +31,12 @@ SHARED = {"layer_ids": [1], "layer_semantics": LAYER_SEMANTICS, "cache_group": {
 ROW_BYTES = 64
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--records", default="1,2,8", help="records a step (comma-separated)")
     ap.add_argument("--tokens", type=int, default=1024, help="token ids a record")
     ap.add_argument("--steps", type=int, default=300)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     shm = get_transport("shm")
     sizes = [int(x) for x in args.records.split(",")]
     cfg = shm.prepare({"slot_bytes": 1 << 20, "num_slots": 4 * max(sizes) + 16, "checksum": "none"})
@@ -46,6 +46,7 @@ def main() -> None:
                        start_timeout=60, rows="skip")
     rng = np.random.default_rng(0)
     print(f"{'records':>7}  {'pickle us':>9}  {'send us':>8}  pickle share")
+    rows = []
     try:
         for k in sizes:
             pk, sd = [], []
@@ -67,17 +68,21 @@ def main() -> None:
                 t2 = time.perf_counter()
                 pk.append(t1 - t0)
                 sd.append(t2 - t1)
-                got = 0
+                got, deadline = 0, time.monotonic() + 30
                 while got < k:  # the step's records committed and taken before the next step is timed
-                    for rec in src.poll(5.0):
+                    if time.monotonic() > deadline:
+                        raise SystemExit(f"step {step}: {got} of {k} records committed within 30 s")
+                    for rec in src.poll(1.0):
                         rec.release()
                         got += 1
             p, s = statistics.median(pk) * 1e6, statistics.median(sd) * 1e6
             print(f"{k:>7}  {p:>9.1f}  {s:>8.1f}  {p / s:.2f}", flush=True)
+            rows.append({"records": k, "pickle_us": p, "send_us": s, "steps": args.steps})
     finally:
         rp.close()
         src.close()
         shm.cleanup(cfg)
+    return rows
 
 
 if __name__ == "__main__":
