@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from layertap.engine.gpu_gather import BatchCopies, IndexUpload, RawCopies  # noqa: E402
+from layertap.engine.gpu_gather import BatchCopies, IndexUpload, RawCopies, block_copies  # noqa: E402
 
 
 def main() -> None:
@@ -82,10 +82,7 @@ def main() -> None:
 
     def batch_way(lists: list[list[int]]) -> None:
         fwd = torch.cuda.current_stream().cuda_stream
-        ids = np.fromiter((b for blocks in lists for b in blocks), dtype=np.uint64)
-        srcs = base + ids * np.uint64(bstride)
-        dsts = ring_ptr + np.arange(len(ids), dtype=np.uint64) * np.uint64(block_bytes)
-        sizes = np.full(len(ids), block_bytes, dtype=np.uint64)
+        dsts, srcs, sizes = block_copies(lists, base, bstride, n_blocks, ring_ptr, block_bytes)  # as the engine does
         ev_a.record(fwd)
         rc.wait_event(side.cuda_stream, ev_a)
         batch(dsts, srcs, sizes, side.cuda_stream)

@@ -44,8 +44,7 @@ PHASES = ("blocks", "staging", "index", "gather", "reserve", "copies", "send")
 """The CUDA record path's phases on the step thread: the records' view blocks (``view_blocks_for``); the
 staging bound (``_bound_staging``, or the record process's ring room: waits only when the copies are behind);
 the index upload (record process path only, or there with offload_gather='batch' the blocks' addresses; the other
-paths count it in the gather); the gather (event,
-gather kernel, the forward stream's wait); the transport reservations (slot claim, header, token ids); the
+paths count it in the gather); the gather (event, gather kernel or batched copies, the forward stream's wait); the transport reservations (slot claim, header, token ids); the
 host copies and device commits queued on the copy stream (record process path: the descriptor's spans);
 the hand-over to the record process (the descriptor pickled and written into its pipe)."""
 
