@@ -198,7 +198,7 @@ timeout 120 python3 benchmarks/gather_launch_cost.py --records 1,2,8 --iters 100
 timeout 300 python3 benchmarks/record_path_cost.py --records 1,2,8 --busy-ms 0,5 --iters 100 --baseline-tree . --rounds 2 \
   --options '{"offload_gather": "batch"}' --baseline-options '{}' > "$OUT/record_path_cost.txt" 2>&1
 timeout 120 python3 benchmarks/handover_cost.py --records 1,2,8 --steps 300 > "$OUT/handover_cost.txt" 2>&1
-tail -20 "$OUT/gather_launch_cost.txt" "$OUT/record_path_cost.txt" "$OUT/handover_cost.txt"
+tail -n 20 "$OUT/gather_launch_cost.txt" "$OUT/record_path_cost.txt" "$OUT/handover_cost.txt"
 el "gather cost"
 }
 batchsmall() {  # small with capture-batch beside capture and plain, where leantests (run first) did not fail
