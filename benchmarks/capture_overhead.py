@@ -50,8 +50,6 @@ against 0.98 / 0.90 / 0.96 at 1 / 4 / 16 in flight; an 8-byte copy waited 264 us
     capture-nocopy     capture with the record process copying no rows (connector option offload_rows="skip"; its
                        stream still waits on each gather's event, it reserves and commits): records carry no rows.
                        capture / capture-nocopy is what the rows' device-to-host copies cost the engine
-    capture-batch      capture with the step thread's gather queued as one batch of block copies
-                       (connector option offload_gather="batch": no torch call, ``gpu_gather.BatchCopies``)
     capture-nogpu      as capture-nocopy, and the record process makes no CUDA call at all (offload_rows="nogpu"):
                        capture-nocopy / capture-nogpu is what a second CUDA context waiting on the engine's events
                        costs; capture-nogpu / floor-gather the record process's CPU work and the hand-over
@@ -61,9 +59,6 @@ against 0.98 / 0.90 / 0.96 at 1 / 4 / 16 in flight; an 8-byte copy waited 264 us
     capture-raw        the capture engine and transport of ``capture``, driven like plain (no Tap loop, no
                        proof; a thread takes the records off the transport): capture / capture-raw is the
                        Tap's share of the gap, capture-raw / plain the engine's and the record path's
-    capture-prebuild   capture with the Tap building the next requests (vLLM's input processing) while the engine
-                       runs, so admitting one after a finished request is only its send (Tap.prebuild=True; by
-                       default each is built as it is admitted): capture-prebuild / capture is what that buys
     capture-after      capture-raw with no record work in the driving process while the clock runs: records wait in
                        the pool until the call's requests finished (needs --chunk). Beside floor, the engine's
                        record path alone; capture / capture-after, the driving process's record work
@@ -72,11 +67,6 @@ against 0.98 / 0.90 / 0.96 at 1 / 4 / 16 in flight; an 8-byte copy waited 264 us
     capture-sync       capture with vLLM's synchronous scheduling (async_scheduling=False): beside plain-sync
                        (plain, the same), whether the engine's one-step-ahead scheduling is what sets capture's
                        requests into alternating half batches at 1-4 in flight (trace summaries: step_sizes)
-    capture-eager      capture with the Tap proving and handing out every committed record before its next
-                       engine step (Tap.defer_records=False); by default records wait while an engine output
-                       does (at least one a round): capture / capture-eager is what that ordering buys, and
-                       the ``late`` phase (--stats) shows the driver's delay in each
-    floor-extract      as floor, through vLLM's extract_hidden_states (capture_path="extract")
     capture-extract    capture through extract_hidden_states (synchronous scheduling on vLLM 0.25/CUDA)
 
 ``--profile-dir DIR``: after the rounds, each engine is profiled with torch's profiler (CPU + CUDA
@@ -527,8 +517,7 @@ def shm_slots(args) -> int:
 class Capture:
     """layertap capture through the Tap: every record is counted and its token digest proven."""
 
-    def __init__(self, model, data, args, defer_records: bool = True, prebuild: bool = False, wide: bool = False,
-                 **extra):
+    def __init__(self, model, data, args, wide: bool = False, **extra):
         from layertap.tap import Tap
 
         if wide:
@@ -543,8 +532,6 @@ class Capture:
                                          "checksum": args.checksum} if args.transport == "shm" else None,
                        out=args.out if args.transport == "file" else None, zero_copy=args.transport == "shm",
                        **engine_kwargs(args, wide=wide), **extra)
-        self.tap.defer_records = defer_records
-        self.tap.prebuild = prebuild
         self.queue = args.queue and not wide
         # Default: at most the in-flight target in the engine, as drive() keeps plain's. --queue: the Tap's own
         # way, the target running (the engine's max_num_seqs) and as many more waiting in the engine's queue;
@@ -679,19 +666,14 @@ VARIANTS = {
                                               **profiler_kwargs(a, "capture-inproc")),
     "capture-nocopy": lambda m, d, a: Capture(m, d, a, connector_options={"offload_rows": "skip"},
                                               **profiler_kwargs(a, "capture-nocopy")),
-    "capture-batch": lambda m, d, a: Capture(m, d, a, connector_options={"offload_gather": "batch"},
-                                             **profiler_kwargs(a, "capture-batch")),
     "capture-nogpu": lambda m, d, a: Capture(m, d, a, connector_options={"offload_rows": "nogpu"},
                                              **profiler_kwargs(a, "capture-nogpu")),
     "capture-loud": lambda m, d, a: Capture(m, d, a, connector_options={"quiet_empty_steps": False},
                                             **profiler_kwargs(a, "capture-loud")),
     "capture-raw": lambda m, d, a: CaptureRaw(m, d, a, **profiler_kwargs(a, "capture-raw")),
     "capture-after": lambda m, d, a: CaptureAfter(m, d, a, **profiler_kwargs(a, "capture-after")),
-    "capture-eager": lambda m, d, a: Capture(m, d, a, defer_records=False, **profiler_kwargs(a, "capture-eager")),
-    "capture-prebuild": lambda m, d, a: Capture(m, d, a, prebuild=True, **profiler_kwargs(a, "capture-prebuild")),
     "capture-wide": lambda m, d, a: Capture(m, d, a, wide=True, **profiler_kwargs(a, "capture-wide")),
     "capture-sync": lambda m, d, a: Capture(m, d, a, async_scheduling=False, **profiler_kwargs(a, "capture-sync")),
-    "floor-extract": lambda m, d, a: Floor(m, d, a, path="extract", **profiler_kwargs(a, "floor-extract")),
     "capture-extract": lambda m, d, a: Capture(m, d, a, capture_path="extract", **profiler_kwargs(a, "capture-extract")),
 }
 

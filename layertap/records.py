@@ -65,11 +65,13 @@ the process has Python to run (``benchmarks/gil_release_cost.py``). So the diges
 step and the driver's loop are fed in pieces below that size and keep the GIL: ~3 us more, no hand-off."""
 
 
-def ids_and_digest(token_ids: list[int] | np.ndarray) -> tuple[np.ndarray, str]:
+def ids_and_digest(token_ids: list[int] | np.ndarray | bytes) -> tuple[np.ndarray, str]:
     """A record's token ids as int64 (little-endian) and their sha256, from one conversion: what the writer of a
     record (the engine's worker, or its record process) puts in the record's field and its manifest."""
     if isinstance(token_ids, np.ndarray):
         raw = np.ascontiguousarray(token_ids, dtype="<i8").tobytes()
+    elif isinstance(token_ids, bytes):  # already little-endian int64 (the record process's hand-over)
+        raw = token_ids
     else:
         raw = token_bytes(token_ids)
     return np.frombuffer(raw, dtype="<i8"), sha256_hex(raw)

@@ -91,7 +91,7 @@
 # offload_gather="batch" queues the gather as ONE cudaMemcpyBatchAsync of the records' cache blocks into the ring
 # (gpu_gather.BatchCopies / block_copies; on a side stream fenced by raw events, the forward stream waiting on the
 # IPC event behind it), no torch call; off by default until the GPU says. Next lease, in this order:
-#   PRE='MODELS=small bash scripts/gpu_check.sh models && LEASE_STEPS=gathercost bash scripts/lease_issue15.sh'
+#   PRE='MODELS=small bash scripts/gpu_check.sh models && LEASE_STEPS=gathercost bash scripts/lease_issue15.sh' (gathercost: removed since)
 #     (no vLLM: gather_launch_cost.py, the three ways of queuing a step's gather, host us each, checked against
 #     the view; record_path_cost.py batch against torch, per phase, interleaved; handover_cost.py, the hand-over's
 #     pickle against the whole send: on the 2-core CPU machine the pickle is 0.44-0.86 of it, ~25 us a 1k-id record)
@@ -99,6 +99,14 @@
 #     (the CUDA record path's tests, the batched gather among them; then plain, capture, capture-batch at 1-16 in
 #     flight, capture-batch dropped if a test failed). If batch wins on the step thread and the rounds, make it the
 #     default (tests/gpu/test_lean_path.py already runs every test with it).
+# Eighteenth session (2026-12-07 late, one slow H100 host: plain 53-56k tok/s at 1 in flight; RESULTS.md): the batched
+# gather LOST and is removed: cudaMemcpyBatchAsync (CUDA 13.0 runtime) costs the host ~5-7 us a copy, so a step's
+# 64-512 block copies took 449-2,702 us against torch's 146-236 us (index upload + index_select), and the whole
+# record path 2-5x its torch time (record_path_cost pair). The CUDA record path's tests passed with it (33), so it
+# was slow, not wrong. Rounds at 1 / 4 / 16 in flight: capture 0.91 / 0.88 / 0.95, capture-batch 0.94 / 0.89 / 0.84;
+# a second run with the A/A control: plain-spawn 1.07 / 1.05, capture 0.98 / 0.87 (four rounds each). The hand-over
+# on that host: pickling the descriptor is 0.89-0.92 of the send, ~30 us a 1k-id record (238 us for 8 records).
+# Next lease: LEASE_STEPS="hostcost small stepprof" (hostcost: record_path_cost and handover_cost, no vLLM, in PRE).
 # The step profile's per-call times moved 40% between runs of one variant on that slow host (forward 12.8-18.5 ms a
 # call for capture, 13.4-18.7 for plain-spawn) and throughput followed them: compare variants per call, by round.
 # Since the seventh session of 2026-12-06 the step profile (stepprof) says where the engine thread's time goes,
@@ -191,20 +199,13 @@ leantests
     | tail -25 | tee "$OUT/offtests.txt" )
 el "record process tests"
 }
-gathercost() {  # the batched gather (connector option offload_gather="batch", seventeenth session): what queuing one
-  # step's gather costs the step thread three ways (torch / one cudaMemcpyBatchAsync / a copy a block), then the whole
-  # record path per phase, batch against torch, interleaved. No vLLM: runs in PRE while the bundle installs.
-timeout 120 python3 benchmarks/gather_launch_cost.py --records 1,2,8 --iters 100 > "$OUT/gather_launch_cost.txt" 2>&1
-timeout 300 python3 benchmarks/record_path_cost.py --records 1,2,8 --busy-ms 0,5 --iters 100 --baseline-tree . --rounds 2 \
-  --options '{"offload_gather": "batch"}' --baseline-options '{}' > "$OUT/record_path_cost.txt" 2>&1
+hostcost() {  # no vLLM (runs in PRE while the bundle installs): the record path's step-thread cost per phase
+  # (record_path_cost.py) and the hand-over's pickle against the whole send (handover_cost.py)
+timeout 300 python3 benchmarks/record_path_cost.py --records 1,2,8 --busy-ms 0,5 --iters 100 \
+  --json "$OUT/record_path_cost.json" > "$OUT/record_path_cost.txt" 2>&1
 timeout 120 python3 benchmarks/handover_cost.py --records 1,2,8 --steps 300 > "$OUT/handover_cost.txt" 2>&1
-tail -n 20 "$OUT/gather_launch_cost.txt" "$OUT/record_path_cost.txt" "$OUT/handover_cost.txt"
-el "gather cost"
-}
-batchsmall() {  # small with capture-batch beside capture and plain, where leantests (run first) did not fail
-v=${BATCH_VARIANTS:-plain,capture,capture-batch}
-if grep -q "failed\|error" "$OUT/leantests.txt" 2>/dev/null; then v=plain,capture; echo "leantests failed: no capture-batch"; fi
-SMALL_VARIANTS=$v small
+tail -n 20 "$OUT/record_path_cost.txt" "$OUT/handover_cost.txt"
+el "host cost"
 }
 stepprof() {  # deterministic per-function time per request in every engine process (benchmarks/step_profile.py):
   # plain-spawn, floor and capture side by side on the small model at 1 and 4 in flight; where the floor's and

@@ -28,14 +28,11 @@ stream order, its index comes from a page-locked ring into a device buffer that 
 
 from __future__ import annotations
 
-import ctypes
-import itertools
 from typing import Any
 
-import numpy as np
 import torch
 
-from layertap.engine.cache_view import CacheLayoutError, ViewGeometry, gather_blocks
+from layertap.engine.cache_view import ViewGeometry, gather_blocks
 
 
 def gather_on_device(view: torch.Tensor, geo: ViewGeometry, block_lists: list[list[int]], side: "torch.cuda.Stream",
@@ -238,71 +235,6 @@ class RawEvent:
             self.rt._ev_destroy(self.handle)
         except Exception:  # interpreter shutdown: the runtime may be gone
             pass
-
-
-def block_copies(lists: list[list[int]], src: int, block_stride: int, num_blocks: int, dst: int,
-                 block_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(destinations, sources, sizes) as uint64 arrays for ``BatchCopies``: every block of ``lists`` (in order,
-    ``block_bytes`` each) from ``src + id * block_stride`` to consecutive places from ``dst`` on, which is
-    where ``index_select`` over the blocks would put them. An id outside ``0..num_blocks-1`` raises
-    ``CacheLayoutError`` (a copy would read outside the cache, where a kernel's index check would fail)."""
-    n = sum(map(len, lists))
-    ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=n)
-    if n and (ids.min() < 0 or ids.max() >= num_blocks):
-        raise CacheLayoutError(f"block ids {ids.min()}..{ids.max()} outside the capture cache's {num_blocks} blocks")
-    b = np.uint64(block_bytes)
-    srcs = ids.astype(np.uint64) * np.uint64(block_stride) + np.uint64(src)
-    dsts = np.arange(n, dtype=np.uint64) * b + np.uint64(dst)
-    return dsts, srcs, np.full(n, b, dtype=np.uint64)
-
-
-class _MemLocation(ctypes.Structure):  # cudaMemLocation
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _MemcpyAttributes(ctypes.Structure):  # cudaMemcpyAttributes
-    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation), ("dstLocHint", _MemLocation),
-                ("flags", ctypes.c_uint)]
-
-
-class BatchCopies:
-    """``cudaMemcpyBatchAsync`` (CUDA >= 12.8) through the runtime ``RawCopies`` found: any number of copies
-    in one call, here a step's cache blocks into the record process's staging ring (device to device), where a
-    torch gather costs the step thread an index upload, two views and ``index_select(out=)``. Every copy reads
-    its source in stream order. CUDA 13 dropped the ``failIdx`` argument; both signatures are bound by the
-    runtime's version. The batch API refuses the legacy default stream (where vLLM runs its forward): callers
-    fence a side stream with events."""
-
-    SRC_ACCESS_ORDER_STREAM = 1
-
-    def __init__(self, rc: RawCopies, fn: Any, version: int):
-        vp, sz = ctypes.c_void_p, ctypes.c_size_t
-        self.rc, self.fn, self.version = rc, fn, version
-        self.v13 = version >= 13000
-        fn.argtypes = [vp, vp, vp, sz, ctypes.POINTER(_MemcpyAttributes), ctypes.POINTER(sz), sz] + (
-            [vp] if self.v13 else [ctypes.POINTER(sz), vp])
-        fn.restype = ctypes.c_int
-        self.attrs = _MemcpyAttributes(self.SRC_ACCESS_ORDER_STREAM, _MemLocation(0, 0), _MemLocation(0, 0), 0)
-        self.first = (sz * 1)(0)
-        self.fail = sz(0)
-
-    @classmethod
-    def load(cls, rc: RawCopies) -> "BatchCopies | None":
-        """The batch entry point of ``rc``'s runtime, or ``None`` (a runtime before 12.8)."""
-        lib = ctypes.CDLL(rc.path)
-        ver = ctypes.c_int()
-        if lib.cudaRuntimeGetVersion(ctypes.byref(ver)) != 0 or ver.value < 12080:
-            return None
-        fn = getattr(lib, "cudaMemcpyBatchAsync", None)
-        return None if fn is None else cls(rc, fn, ver.value)
-
-    def __call__(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
-        """Queue ``sizes[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` (uint64 addresses, C-contiguous) on ``stream``."""
-        n = len(dsts)
-        head = (dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, n, ctypes.byref(self.attrs), self.first, 1)
-        code = self.fn(*head, stream) if self.v13 else self.fn(*head, ctypes.byref(self.fail), stream)
-        if code != 0:
-            self.rc._check(code, f"cudaMemcpyBatchAsync of {n} copies")
 
 
 class IndexUpload:

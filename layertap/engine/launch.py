@@ -28,7 +28,7 @@ OWNED_FLAGS = ("model", "speculative_config", "kv_transfer_config", "worker_cls"
 
 CONNECTOR_OPTIONS = ("direct", "writer_queue", "device_commit", "full_graphs", "hook_scatter", "quiet_layers",
                      "quiet_empty_steps", "gather_only", "lean", "block_hashes", "offload", "offload_staging_mb",
-                     "offload_copy_chunk_kb", "offload_rows", "offload_gather")
+                     "offload_copy_chunk_kb", "offload_rows")
 """Connector switches a caller may set (the Tap's ``connector_options``, ``layertap serve --connector-options``):
 record-path variants and benchmark aids, each read by the connector from its extra config."""
 SERVE_ONLY_OPTIONS = ("skip_reads",)

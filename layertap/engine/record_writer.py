@@ -19,11 +19,9 @@ import torch
 from layertap.engine import compat
 from layertap.engine.cache_view import CacheLayoutError, gather_blocks, kernel_ratio, slots_for, view_blocks_for, view_geometry
 from layertap.engine.gpu_gather import (
-    BatchCopies,
     IndexUpload,
     RawCopies,
     RawEvent,
-    block_copies,
     copy_to_host,
     gather_on_device,
     register_host,
@@ -37,14 +35,12 @@ from layertap.transport.base import get_transport
 
 log = logging.getLogger("vllm.layertap")
 
-OFFLOAD_GATHER_ENV = "LAYERTAP_OFFLOAD_GATHER"  # the connector option offload_gather's default ("torch")
-
 
 PHASES = ("blocks", "staging", "index", "gather", "reserve", "copies", "send")
 """The CUDA record path's phases on the step thread: the records' view blocks (``view_blocks_for``); the
 staging bound (``_bound_staging``, or the record process's ring room: waits only when the copies are behind);
-the index upload (record process path only, or there with offload_gather='batch' the blocks' addresses; the other
-paths count it in the gather); the gather (event, gather kernel or batched copies, the forward stream's wait); the transport reservations (slot claim, header, token ids); the
+the index upload (record process path only; the other paths count it in the gather); the gather (event,
+gather kernel, the forward stream's wait); the transport reservations (slot claim, header, token ids); the
 host copies and device commits queued on the copy stream (record process path: the descriptor's spans);
 the hand-over to the record process (the descriptor pickled and written into its pipe)."""
 
@@ -129,13 +125,6 @@ class WorkerSide:
         # Benchmark aid only (record_proc.ROW_MODES): "skip" leaves the rows uncopied, "nogpu" also makes no
         # CUDA call in the record process; records then carry whatever their slot held.
         self.offload_rows = str(c._extra.get("offload_rows", "copy"))
-        # How the step thread queues the gather into the staging ring (connector option ``offload_gather``):
-        # "torch" (index upload + ``index_select`` into a view of the ring) or "batch" (one
-        # ``cudaMemcpyBatchAsync`` of the records' cache blocks, no torch call: ``gpu_gather.BatchCopies``).
-        self.offload_gather = str(c._extra.get("offload_gather", os.environ.get(OFFLOAD_GATHER_ENV, "torch")))
-        if self.offload_gather not in ("torch", "batch"):
-            raise ValueError(f"offload_gather must be 'torch' or 'batch', not {self.offload_gather!r}")
-        self.batch: BatchCopies | None = None
         self.rp = None  # the RecordProcess, once started
         self.ring_t: torch.Tensor | None = None
         # Benchmark aid only (benchmarks/capture_overhead.py "floor"): saves are reported done without
@@ -261,34 +250,8 @@ class WorkerSide:
         self.ring_t = torch.as_tensor(_DeviceBytes(self.rp.ptr, self.rp.size), device=self.view.device
                                       ).view(self.view.dtype)
         self.block_elems = self.view[0].numel()
-        if self.offload_gather == "batch":
-            self._open_batch()
-        log.info("layertap worker: record process %d started (staging ring %d MiB on %s); the step thread gathers "
-                 "(%s), the record process copies and commits", self.rp.proc.pid, self.rp.size >> 20,
-                 self.view.device, "batched block copies" if self.batch is not None else "torch index_select")
-
-    def _open_batch(self) -> None:
-        """The batched gather (``offload_gather="batch"``): each cache block of a record is one device-to-device
-        copy into the ring, all of a step's in one runtime call, on a side stream fenced by events (the forward
-        stream waits for it, so the blocks may be released in this step, as with the torch gather). Needs whole
-        blocks in memory order ([blocks, block size, planes, hidden], vLLM 0.25's layout); elsewhere it says why
-        and the torch gather stays."""
-        view, why = self.view, None
-        batch = BatchCopies.load(self.copies)
-        if batch is None:
-            why = "this CUDA runtime has no cudaMemcpyBatchAsync (before 12.8)"
-        elif self.geo.plane_axis != 2 or not view[0].is_contiguous():
-            why = f"a cache block is not one contiguous range (view {tuple(view.shape)}, strides {view.stride()})"
-        if why is not None:
-            log.warning("layertap worker: offload_gather='batch' unavailable (%s); the torch gather is used", why)
-            return
-        esize = view.element_size()
-        self.block_bytes = self.block_elems * esize
-        self.block_stride = view.stride(0) * esize
-        self.view_ptr = view.data_ptr()
-        self.side = self.rp.rt.stream()
-        self.fence = self.copies.event()
-        self.batch = batch
+        log.info("layertap worker: record process %d started (staging ring %d MiB on %s); the step thread gathers, "
+                 "the record process copies and commits", self.rp.proc.pid, self.rp.size >> 20, self.view.device)
 
     # ---- first-step slot check ----
     def check_unrun(self, meta: Any) -> None:
@@ -593,22 +556,6 @@ class WorkerSide:
             return
         t = self._lap("staging", t)
         fwd = torch.cuda.current_stream().cuda_stream
-        gather = self._gather_batch if self.batch is not None else self._gather_torch
-        event, t = gather(lists, pos, fwd, t)
-        t = self._lap("gather", t)
-        spans = spans_of(lists, [job.num_rows for job in group], self.geo.view_block_size)
-        items = [(job.key, a, n, job.token_ids, job.meta) for job, (a, n) in zip(group, spans)]
-        t = self._lap("copies", t)
-        rp.send(pos, nbytes, event, items, group[0].shared)
-        for job in group:
-            if job.release:
-                self.released.add(job.req_id)
-        self._lap("send", t)
-
-    def _gather_torch(self, lists: list[list[int]], pos: int, fwd: int, t: float) -> tuple[int, float]:
-        """The rows of ``lists``' blocks into the ring at ``pos``, on the forward stream: the index upload (phase
-        ``index``), then ``index_select`` into a view of the ring; returns the IPC event recorded behind it."""
-        rp = self.rp
         index = self.index_upload(lists, fwd)
         t = self._lap("index", t)
         off = (pos % rp.size) // self.view.element_size()
@@ -619,22 +566,16 @@ class WorkerSide:
         else:  # [planes, block, hidden] blocks: rows made contiguous, then placed
             rows = gather_blocks(self.view, self.geo, index)
             self.ring_t[off:off + rows.numel()].view(rows.shape).copy_(rows)
-        return rp.record_event(fwd), t
-
-    def _gather_batch(self, lists: list[list[int]], pos: int, fwd: int, t: float) -> tuple[int, float]:
-        """``_gather_torch`` as one batch of block copies (``_open_batch``): block addresses computed with numpy,
-        the batch on the side stream after a fence on the forward stream, the IPC event behind it, and the forward
-        stream waits on that event (no later work there may rewrite the blocks before the copies read them)."""
-        rp = self.rp
-        dsts, srcs, sizes = block_copies(lists, self.view_ptr, self.block_stride, self.geo.num_blocks,
-                                         rp.ptr + pos % rp.size, self.block_bytes)
-        t = self._lap("index", t)
-        self.fence.record(fwd)
-        self.copies.wait_event(self.side, self.fence)
-        self.batch(dsts, srcs, sizes, self.side)
-        event = rp.record_event(self.side)
-        self.copies.wait_event(fwd, rp.events[event])
-        return event, t
+        event = rp.record_event(fwd)
+        t = self._lap("gather", t)
+        spans = spans_of(lists, [job.num_rows for job in group], self.geo.view_block_size)
+        items = [(job.key, a, n, job.token_ids, job.meta) for job, (a, n) in zip(group, spans)]
+        t = self._lap("copies", t)
+        rp.send(pos, nbytes, event, items, group[0].shared)
+        for job in group:
+            if job.release:
+                self.released.add(job.req_id)
+        self._lap("send", t)
 
     def _reserve_raw(self, job: SaveJob) -> Any:
         """The record's transport memory as byte offsets (lean path), its token ids and loss mask written

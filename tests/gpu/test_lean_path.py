@@ -6,8 +6,8 @@ next forward's writes), when the ring of index buffers wraps while the GPU is be
 visible before its payload landed. A control shows the rewrite test can fail: the same rewrite queued on
 another stream, not after the gather, corrupts the record. Each runs twice: with the record process
 (``record_proc``, the default: the step thread gathers into a staging ring shared through CUDA IPC, the process
-copies and commits), with that process copying in pieces, with the step thread's gather as one batch of block
-copies (``offload_gather="batch"``), and with the step thread doing it all (connector option ``offload=False``)."""
+copies and commits), with that process copying in pieces, and with the step thread doing it all (connector option
+``offload=False``)."""
 
 from __future__ import annotations
 
@@ -32,11 +32,9 @@ PLANES, HIDDEN, BS, BLOCKS, ROWS = 4, 512, 16, 256, 200
 SLEEP = 200_000_000  # GPU cycles (~0.1 s): holds a stream back so the host acts while work is queued
 
 
-OPTIONS = {"offload": {}, "offload-pieces": {"offload_copy_chunk_kb": 64}, "offload-batch": {"offload_gather": "batch"},
-           "in-process": {"offload": False}}
+OPTIONS = {"offload": {}, "offload-pieces": {"offload_copy_chunk_kb": 64}, "in-process": {"offload": False}}
 """The default (the record process reserves, copies and commits: ``record_proc``), the same with each record's
-copy in 64 KiB pieces (a record here is 800 KiB: 13 pieces, the last one short), the same with the step thread's
-gather queued as one batch of block copies (``gpu_gather.BatchCopies``), and the step thread doing it all."""
+copy in 64 KiB pieces (a record here is 800 KiB: 13 pieces, the last one short), and the step thread doing it all."""
 
 
 def make(options: dict):
@@ -45,8 +43,6 @@ def make(options: dict):
     view = torch.randn(BLOCKS, BS, PLANES, HIDDEN, device="cuda").to(torch.bfloat16)  # vLLM 0.25's layout
     w = make_worker(view, HIDDEN, BS, cfg, [1, 2, 3, 4], options)
     assert (w.rp is not None) == options.get("offload", True), "the record process did not start"
-    if options.get("offload_gather") == "batch":
-        assert w.batch is not None, "the batched gather did not start (see the worker's log)"
     return w, src, view
 
 

@@ -2,8 +2,6 @@
 
 import itertools
 
-import numpy as np
-
 import pytest
 import torch
 
@@ -203,32 +201,3 @@ def test_scatter_planes_is_the_inverse_of_gather_rows_and_drops_padding(plane_ax
             assert not blk.any()
     with pytest.raises(CacheLayoutError, match="planes"):
         scatter_planes(view, geo, slots, rows[:2])
-
-
-def test_batched_block_copies_land_where_index_select_puts_the_blocks():
-    """``gpu_gather.block_copies`` (the addresses of the record process path's batched gather, connector option
-    ``offload_gather="batch"``) carried out here with ``memmove`` on host tensors: the ring then holds exactly what
-    ``index_select`` over the blocks gives, for blocks that are not adjacent in memory (every other block of a
-    larger cache: block stride twice a block's bytes) and a ring position inside the ring. The CUDA call itself
-    (``BatchCopies``) runs on the GPU in tests/gpu/test_lean_path.py."""
-    import ctypes
-
-    from layertap.engine.gpu_gather import block_copies
-
-    cache = torch.randn(20, 4, 3, 8)  # [blocks, block size, planes, hidden]
-    view = cache[::2]  # 10 blocks, each contiguous, 2 blocks apart
-    block_bytes = view[0].numel() * view.element_size()
-    lists = [[7, 2, 9], [0], [5, 5]]
-    ring = torch.zeros(12, 4, 3, 8)
-    dst = ring.data_ptr() + 3 * block_bytes
-    dsts, srcs, sizes = block_copies(lists, view.data_ptr(), view.stride(0) * view.element_size(), view.shape[0], dst,
-                                     block_bytes)
-    assert dsts.dtype == srcs.dtype == sizes.dtype == np.uint64 and len(dsts) == 6
-    for d, s, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
-        ctypes.memmove(d, s, n)
-    want = torch.index_select(view, 0, torch.tensor([b for blocks in lists for b in blocks]))
-    assert torch.equal(ring[3:9], want)
-    assert not ring[:3].any() and not ring[9:].any()  # nothing outside the group's place
-    with pytest.raises(CacheLayoutError, match=r"block ids 0\.\.10 outside the capture cache's 10 blocks"):
-        block_copies([[0, 10]], view.data_ptr(), view.stride(0) * view.element_size(), 10, dst, block_bytes)
-    assert [len(a) for a in block_copies([], 0, 0, 10, 0, block_bytes)] == [0, 0, 0]

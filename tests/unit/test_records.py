@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import struct
 
+import numpy as np
 import pytest
 import torch
 
@@ -112,3 +113,16 @@ def test_sha256_hex_is_sha256_in_pieces_that_keep_the_gil():
     assert token_digest(ids) == token_digest(np.asarray(ids)) == token_digest(torch.tensor(ids)) == want
     assert token_digest(t[: len(ids)]) == hashlib.sha256(np.asarray((ids + ids)[::2][: len(ids)], dtype="<i8").tobytes()).hexdigest()
     assert sha256_hex(np.arange(4, dtype=np.int32)) == hashlib.sha256(np.arange(4, dtype=np.int32).tobytes()).hexdigest()
+
+
+def test_ids_and_digest_agree_on_a_list_its_int64_bytes_and_an_array():
+    """The record process gets a record's ids as their int64 bytes (``RecordProcess.send`` packs the scheduler's
+    list): the ids and the digest it writes must be those of the list, which the driver proves against."""
+    from layertap.records import ids_and_digest, token_bytes, token_digest
+
+    ids = [0, 5, 151_935, 2**40, 7]
+    want_ids, want = ids_and_digest(ids)
+    for form in (token_bytes(ids), np.array(ids, dtype=np.int64)):
+        got_ids, got = ids_and_digest(form)
+        assert got == want == token_digest(ids) and got_ids.dtype == np.dtype("<i8")
+        assert got_ids.tolist() == want_ids.tolist() == ids
