@@ -463,12 +463,13 @@ class Plain:
 class Floor(Plain):
     """The capture path's engine + the connector, which reports every save done without reading a row."""
 
-    def __init__(self, model, data, args, path: str = "hook", gather: bool = False, **extra):
+    def __init__(self, model, data, args, gather: bool = False, **extra):
         from vllm import LLM
 
         from layertap.engine import compat, launch
         from layertap.engine.connector import PARAMS_KEY
 
+        path = "hook"  # layertap's capture layer, capture's default path
         self.data = data
         self.queue = args.queue
         v = compat.check_version()

@@ -338,8 +338,9 @@ class RecordProcess:
             shared_out = None
         else:
             shared_out = self._shared_sent = shared
-        # Token ids as a list go as their int64 bytes: struct packs 1,024 ids in ~12 us where pickling the list
-        # takes ~20 (CPU machine) to ~30 (a slow H100 host), most of the hand-over (benchmarks/handover_cost.py)
+        # Token ids as a list go as their int64 bytes: struct packs 1,024 ids in 7.5 us where pickling the list
+        # takes 10.5 (CPU machine, RESULTS 2026-12-07); the lists' pickle was most of the hand-over
+        # (benchmarks/handover_cost.py). The record process hashes these bytes (ids_and_digest).
         items = [(k, a, n, token_bytes(ids) if isinstance(ids, list) else ids, m) for k, a, n, ids, m in items]
         self._send((pos % self.size, pos + -(-nbytes // ALIGN) * ALIGN, event, items, shared_out))
         self.sent += 1
@@ -505,8 +506,6 @@ class _Writer:
             for key, a, n, token_ids, meta in items:
                 if "token_digest" not in meta:  # the scheduler left the conversion and the hash to the writer
                     token_ids, meta["token_digest"] = ids_and_digest(token_ids)
-                elif isinstance(token_ids, bytes):
-                    token_ids = np.frombuffer(token_ids, dtype="<i8")
                 res = self.reserve(key, n, meta, deadline)
                 reservations.append(res)
                 o, m = res.offsets["token_ids"], res.offsets.get("loss_mask")

@@ -11,7 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from layertap.records import MetaTemplate, deserialize, layout, serialize_into, token_digest, _NAMES
+from layertap.records import (
+    MetaTemplate,
+    _NAMES,
+    deserialize,
+    ids_and_digest,
+    layout,
+    serialize_into,
+    token_bytes,
+    token_digest,
+)
 
 
 def _reference_prefix(tensors: dict, meta: dict) -> bytes:
@@ -97,10 +106,7 @@ def test_sha256_hex_is_sha256_in_pieces_that_keep_the_gil():
     type, and a record's token digest is unchanged."""
     import hashlib
 
-    import numpy as np
-    import torch
-
-    from layertap.records import _HASH_CHUNK, sha256_hex, token_digest
+    from layertap.records import _HASH_CHUNK, sha256_hex
 
     assert _HASH_CHUNK < 2048
     for n in (0, 1, 2046, 2047, 2048, 4094, 4095, 8192, 10001):
@@ -118,8 +124,6 @@ def test_sha256_hex_is_sha256_in_pieces_that_keep_the_gil():
 def test_ids_and_digest_agree_on_a_list_its_int64_bytes_and_an_array():
     """The record process gets a record's ids as their int64 bytes (``RecordProcess.send`` packs the scheduler's
     list): the ids and the digest it writes must be those of the list, which the driver proves against."""
-    from layertap.records import ids_and_digest, token_bytes, token_digest
-
     ids = [0, 5, 151_935, 2**40, 7]
     want_ids, want = ids_and_digest(ids)
     for form in (token_bytes(ids), np.array(ids, dtype=np.int64)):
